@@ -1,0 +1,399 @@
+#include "batch_queue.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <stdexcept>
+#include <utility>
+
+namespace streambatch {
+namespace {
+
+constexpr std::int64_t kMaxTokenValue = std::int64_t{1} << 40;  // keeps sums far from overflow
+constexpr Nanos kNever = std::numeric_limits<Nanos>::max();
+
+}  // namespace
+
+Nanos SteadyClock::now_ns() const {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+const char* to_string(PushStatus s) {
+  switch (s) {
+    case PushStatus::kAccepted: return "accepted";
+    case PushStatus::kQueueFull: return "queue_full";
+    case PushStatus::kDuplicateId: return "duplicate_id";
+    case PushStatus::kClosed: return "closed";
+    case PushStatus::kInvalid: return "invalid";
+  }
+  return "unknown";
+}
+
+const char* to_string(ReleaseReason r) {
+  switch (r) {
+    case ReleaseReason::kFull: return "full";
+    case ReleaseReason::kWindow: return "window";
+    case ReleaseReason::kMaxWait: return "max_wait";
+    case ReleaseReason::kUrgent: return "urgent";
+    case ReleaseReason::kClosed: return "closed";
+    case ReleaseReason::kTimeout: return "timeout";
+    case ReleaseReason::kEvicted: return "evicted";
+  }
+  return "unknown";
+}
+
+static QueueConfig checked(QueueConfig c) {
+  if (c.priority_levels < 1 || c.priority_levels > 64)
+    throw std::invalid_argument("priority_levels must be in [1, 64]");
+  if (c.capacity < 1) throw std::invalid_argument("capacity must be >= 1");
+  if (!c.level_capacity.empty() &&
+      c.level_capacity.size() != static_cast<size_t>(c.priority_levels))
+    throw std::invalid_argument("level_capacity needs one entry per priority level");
+  for (auto cap : c.level_capacity)
+    if (cap < 0) throw std::invalid_argument("level_capacity entries must be >= 0 (0 = no limit)");
+  for (size_t i = 0; i < c.bucket_bounds.size(); ++i) {
+    if (c.bucket_bounds[i] < 1)
+      throw std::invalid_argument("bucket_bounds must be positive token counts");
+    if (i > 0 && c.bucket_bounds[i] <= c.bucket_bounds[i - 1])
+      throw std::invalid_argument("bucket_bounds must be strictly ascending");
+  }
+  if (c.bucket_bounds.size() > 256) throw std::invalid_argument("at most 256 bucket bounds");
+  if (c.max_batch_requests < 1) throw std::invalid_argument("max_batch_requests must be >= 1");
+  if (c.max_batch_tokens < 1) throw std::invalid_argument("max_batch_tokens must be >= 1");
+  if (c.batch_window_ns < 0 || c.max_wait_ns < 0 || c.aging_interval_ns < 0)
+    throw std::invalid_argument("batch_window, max_wait and aging_interval must be >= 0");
+  return c;
+}
+
+BatchQueue::BatchQueue(QueueConfig config, std::shared_ptr<const Clock> clock)
+    : config_(checked(std::move(config))),
+      clock_(clock ? std::move(clock) : std::make_shared<SteadyClock>()),
+      bucket_count_(config_.bucket_bounds.size() + 1),
+      fifos_(static_cast<size_t>(config_.priority_levels) * bucket_count_),
+      level_size_(static_cast<size_t>(config_.priority_levels), 0),
+      depth_(fifos_.size(), 0) {
+  counters_.released.assign(kReleaseReasonCount, 0);
+}
+
+int BatchQueue::bucket_of(std::int64_t prompt_tokens) const {
+  const auto& b = config_.bucket_bounds;
+  return static_cast<int>(std::lower_bound(b.begin(), b.end(), prompt_tokens) - b.begin());
+}
+
+std::string BatchQueue::validate(std::int64_t prompt_tokens, std::int64_t max_new_tokens,
+                                 int priority, Nanos deadline_ns) const {
+  if (prompt_tokens < 0 || prompt_tokens > kMaxTokenValue)
+    return "prompt_tokens must be in [0, 2^40]";
+  if (max_new_tokens < 0 || max_new_tokens > kMaxTokenValue)
+    return "max_new_tokens must be in [0, 2^40]";
+  if (priority < 0 || priority >= config_.priority_levels)
+    return "priority must be in [0, " + std::to_string(config_.priority_levels - 1) + "]";
+  if (deadline_ns < 0) return "deadline must be >= 0 (0 = none)";
+  if (prompt_tokens + max_new_tokens > config_.max_batch_tokens)
+    return "request needs " + std::to_string(prompt_tokens + max_new_tokens) +
+           " tokens, more than max_batch_tokens " + std::to_string(config_.max_batch_tokens);
+  return {};
+}
+
+PushResult BatchQueue::push(RequestId id, std::int64_t prompt_tokens, std::int64_t max_new_tokens,
+                            int priority, Nanos deadline_ns) {
+  std::string problem = id < 0 ? std::string("id must be >= 0")
+                               : validate(prompt_tokens, max_new_tokens, priority, deadline_ns);
+  const Nanos now = clock_->now_ns();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!problem.empty()) {
+      ++counters_.rejected_invalid;
+      return {PushStatus::kInvalid, std::move(problem)};
+    }
+    if (closed_) {
+      ++counters_.rejected_closed;
+      return {PushStatus::kClosed, "queue is closed"};
+    }
+    if (entries_.count(id) != 0) {
+      ++counters_.rejected_duplicate;
+      return {PushStatus::kDuplicateId, "id is already queued"};
+    }
+    if (static_cast<std::int64_t>(entries_.size()) >= config_.capacity) {
+      ++counters_.rejected_full;
+      return {PushStatus::kQueueFull, "total"};
+    }
+    const auto level = static_cast<size_t>(priority);
+    if (!config_.level_capacity.empty() && config_.level_capacity[level] > 0 &&
+        level_size_[level] >= config_.level_capacity[level]) {
+      ++counters_.rejected_full;
+      return {PushStatus::kQueueFull, "level"};
+    }
+    const int bucket = bucket_of(prompt_tokens);
+    const std::uint64_t seq = next_seq_++;
+    entries_.emplace(id, Entry{prompt_tokens, max_new_tokens, priority, bucket, now, deadline_ns,
+                               seq});
+    fifo(priority, bucket).push_back(Slot{id, seq});
+    if (deadline_ns > 0) deadlines_.push(DeadlineItem{deadline_ns, id, seq});
+    ++level_size_[level];
+    ++depth_[level * bucket_count_ + static_cast<size_t>(bucket)];
+    queued_tokens_ += prompt_tokens + max_new_tokens;
+    ++counters_.accepted;
+    if (window_start_ns_ < 0) window_start_ns_ = now;
+    if (priority == config_.priority_levels - 1) urgent_pending_ = true;
+  }
+  cv_.notify_one();
+  return {};
+}
+
+void BatchQueue::remove_locked(RequestId id, const Entry& e) {
+  const auto level = static_cast<size_t>(e.priority);
+  const size_t slot = level * bucket_count_ + static_cast<size_t>(e.bucket);
+  --level_size_[level];
+  --depth_[slot];
+  queued_tokens_ -= e.cost();
+  auto& q = fifos_[slot];
+  entries_.erase(id);
+  drop_dead_heads_locked(q);
+  // Cancelled or expired entries stay in their FIFO as tombstones; compact when they dominate.
+  if (q.size() > 64 && q.size() > 2 * static_cast<size_t>(depth_[slot])) {
+    std::deque<Slot> live;
+    for (const auto& s : q) {
+      auto it = entries_.find(s.id);
+      if (it != entries_.end() && it->second.seq == s.seq) live.push_back(s);
+    }
+    q.swap(live);
+  }
+}
+
+void BatchQueue::drop_dead_heads_locked(std::deque<Slot>& q) {
+  while (!q.empty()) {
+    auto it = entries_.find(q.front().id);
+    if (it != entries_.end() && it->second.seq == q.front().seq) return;
+    q.pop_front();
+  }
+}
+
+void BatchQueue::expire_locked(Nanos now, std::vector<RequestId>& out) {
+  while (!deadlines_.empty() && deadlines_.top().deadline_ns <= now) {
+    const DeadlineItem item = deadlines_.top();
+    deadlines_.pop();
+    auto it = entries_.find(item.id);
+    if (it == entries_.end() || it->second.seq != item.seq) continue;  // already gone
+    const Entry e = it->second;
+    remove_locked(item.id, e);
+    out.push_back(item.id);
+    ++counters_.expired;
+  }
+  // Deadlines of requests admitted earlier stay in the heap; rebuild when they dominate.
+  if (deadlines_.size() > 64 && deadlines_.size() > 2 * entries_.size()) {
+    decltype(deadlines_) live;
+    for (const auto& [id, e] : entries_)
+      if (e.deadline_ns > 0) live.push(DeadlineItem{e.deadline_ns, id, e.seq});
+    deadlines_.swap(live);
+  }
+}
+
+int BatchQueue::effective_priority(const Entry& e, Nanos now) const {
+  if (config_.aging_interval_ns <= 0) return e.priority;
+  const Nanos promoted = (now - e.enqueued_ns) / config_.aging_interval_ns;
+  const Nanos top = config_.priority_levels - 1;
+  return static_cast<int>(std::min<Nanos>(top, e.priority + std::max<Nanos>(0, promoted)));
+}
+
+Nanos BatchQueue::oldest_enqueued_locked() const {
+  Nanos oldest = kNever;
+  for (const auto& q : fifos_)
+    if (!q.empty()) oldest = std::min(oldest, entries_.at(q.front().id).enqueued_ns);
+  return oldest;
+}
+
+bool BatchQueue::release_reason_locked(Nanos now, std::int64_t max_requests,
+                                       std::int64_t max_tokens, ReleaseReason& why) {
+  if (entries_.empty()) return false;
+  if (closed_) {
+    why = ReleaseReason::kClosed;
+  } else if (static_cast<std::int64_t>(entries_.size()) >= max_requests ||
+             queued_tokens_ >= max_tokens) {
+    why = ReleaseReason::kFull;
+  } else if (urgent_pending_ && config_.release_on_urgent) {
+    why = ReleaseReason::kUrgent;
+  } else if (config_.max_wait_ns > 0 && now - oldest_enqueued_locked() >= config_.max_wait_ns) {
+    why = ReleaseReason::kMaxWait;
+  } else if (window_start_ns_ >= 0 && now - window_start_ns_ >= config_.batch_window_ns) {
+    why = ReleaseReason::kWindow;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+Nanos BatchQueue::next_event_locked(Nanos now) const {
+  Nanos next = kNever;
+  if (!entries_.empty()) {
+    if (config_.max_wait_ns > 0) next = std::min(next, oldest_enqueued_locked() + config_.max_wait_ns);
+    if (window_start_ns_ >= 0) next = std::min(next, window_start_ns_ + config_.batch_window_ns);
+  }
+  if (!deadlines_.empty()) next = std::min(next, deadlines_.top().deadline_ns);
+  return std::max(next, now);
+}
+
+void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_t max_tokens,
+                               std::vector<RequestId>& out) {
+  const int levels = config_.priority_levels;
+  const int buckets = static_cast<int>(bucket_count_);
+  // The head request: best by (effective priority, arrival).
+  int head_bucket = -1, best_eff = -1;
+  std::uint64_t best_seq = 0;
+  for (int p = 0; p < levels; ++p) {
+    for (int b = 0; b < buckets; ++b) {
+      auto& q = fifo(p, b);
+      if (q.empty()) continue;
+      const int eff = effective_priority(entries_.at(q.front().id), now);
+      if (eff > best_eff || (eff == best_eff && q.front().seq < best_seq)) {
+        best_eff = eff;
+        best_seq = q.front().seq;
+        head_bucket = b;
+      }
+    }
+  }
+  if (head_bucket < 0) return;
+
+  std::int64_t tokens = 0;
+  while (static_cast<std::int64_t>(out.size()) < max_requests) {
+    // Merge the FIFO heads by (effective priority desc, bucket distance, bucket, arrival).
+    // Each FIFO is already in that order: older entries are both earlier and more aged.
+    std::deque<Slot>* pick = nullptr;
+    int pick_eff = -1, pick_dist = 0, pick_bucket = 0;
+    std::uint64_t pick_seq = 0;
+    for (int p = 0; p < levels; ++p) {
+      for (int b = 0; b < buckets; ++b) {
+        auto& q = fifo(p, b);
+        if (q.empty()) continue;
+        const int eff = effective_priority(entries_.at(q.front().id), now);
+        const int dist = std::abs(b - head_bucket);
+        const std::uint64_t seq = q.front().seq;
+        const bool better =
+            pick == nullptr || eff > pick_eff ||
+            (eff == pick_eff &&
+             (dist < pick_dist ||
+              (dist == pick_dist && (b < pick_bucket || (b == pick_bucket && seq < pick_seq)))));
+        if (better) {
+          pick = &q;
+          pick_eff = eff;
+          pick_dist = dist;
+          pick_bucket = b;
+          pick_seq = seq;
+        }
+      }
+    }
+    if (pick == nullptr) break;
+    const RequestId id = pick->front().id;
+    const Entry e = entries_.at(id);
+    if (tokens + e.cost() > max_tokens) break;  // no overtaking past a request that does not fit
+    tokens += e.cost();
+    out.push_back(id);
+    remove_locked(id, e);
+  }
+}
+
+PopResult BatchQueue::pop_batch(std::int64_t max_requests, std::int64_t max_tokens,
+                                Nanos timeout_ns) {
+  PopResult result;
+  max_requests = std::min(std::max<std::int64_t>(max_requests, 0), config_.max_batch_requests);
+  max_tokens = std::min(std::max<std::int64_t>(max_tokens, 0), config_.max_batch_tokens);
+  const Nanos start = clock_->now_ns();
+  const Nanos call_deadline =
+      timeout_ns <= 0 ? start : (timeout_ns > kNever - start ? kNever : start + timeout_ns);
+
+  std::unique_lock<std::mutex> lock(mu_);
+  // Set when a rule fired but the head did not fit the caller's budget: only a push or a
+  // cancel can change that, so time-based wake-ups are pointless until then.
+  bool budget_blocked = false;
+  std::uint64_t seq_at_block = 0;
+  for (;;) {
+    const Nanos now = clock_->now_ns();
+    expire_locked(now, result.expired);
+    if (!cancelled_.empty()) {
+      result.cancelled.insert(result.cancelled.end(), cancelled_.begin(), cancelled_.end());
+      cancelled_.clear();
+    }
+    ReleaseReason why{};
+    if (max_requests > 0 && release_reason_locked(now, max_requests, max_tokens, why)) {
+      select_locked(now, max_requests, max_tokens, result.admitted);
+      if (!result.admitted.empty()) {
+        result.reason = why;
+        urgent_pending_ = false;
+        window_start_ns_ = entries_.empty() ? -1 : now;
+        counters_.admitted += static_cast<std::int64_t>(result.admitted.size());
+        break;
+      }
+      budget_blocked = true;
+      seq_at_block = next_seq_;
+    }
+    if (!result.expired.empty() || !result.cancelled.empty()) {
+      result.reason = ReleaseReason::kEvicted;
+      break;
+    }
+    if (closed_) {
+      result.reason = ReleaseReason::kClosed;
+      break;
+    }
+    if (now >= call_deadline) {
+      result.reason = ReleaseReason::kTimeout;
+      break;
+    }
+    Nanos wake = call_deadline;
+    if (!budget_blocked || next_seq_ != seq_at_block) wake = std::min(wake, next_event_locked(now));
+    budget_blocked = budget_blocked && next_seq_ == seq_at_block;
+    cv_.wait_for(lock, std::chrono::nanoseconds(std::max<Nanos>(wake - now, 0)));
+  }
+  ++counters_.released[static_cast<size_t>(result.reason)];
+  return result;
+}
+
+bool BatchQueue::cancel(RequestId id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(id);
+    if (it == entries_.end()) return false;
+    const Entry e = it->second;
+    remove_locked(id, e);
+    cancelled_.push_back(id);
+    ++counters_.cancelled;
+  }
+  cv_.notify_all();
+  return true;
+}
+
+void BatchQueue::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool BatchQueue::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
+}
+
+std::int64_t BatchQueue::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<std::int64_t>(entries_.size());
+}
+
+QueueStats BatchQueue::stats() const {
+  const Nanos now = clock_->now_ns();
+  std::lock_guard<std::mutex> lock(mu_);
+  QueueStats s = counters_;
+  s.depth.assign(static_cast<size_t>(config_.priority_levels),
+                 std::vector<std::int64_t>(bucket_count_, 0));
+  for (size_t p = 0; p < s.depth.size(); ++p)
+    for (size_t b = 0; b < bucket_count_; ++b) s.depth[p][b] = depth_[p * bucket_count_ + b];
+  s.size = static_cast<std::int64_t>(entries_.size());
+  s.queued_tokens = queued_tokens_;
+  const Nanos oldest = oldest_enqueued_locked();
+  s.oldest_wait_ns = oldest == kNever ? 0 : now - oldest;
+  return s;
+}
+
+}  // namespace streambatch

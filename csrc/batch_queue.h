@@ -1,0 +1,209 @@
+// streambatch BatchQueue: decides which waiting requests enter the engine and when.
+//
+// Ownership: the queue owns every waiting request's bookkeeping (plain ids and numbers, never a
+// Python object). Producers (the gRPC event loop) call push()/cancel(); one consumer (the engine
+// worker) calls pop_batch(). All state sits behind one mutex; every public call holds it only for
+// the bookkeeping itself, and pop_batch() waits on a condition variable with a computed timeout.
+//
+// Release rules: pop_batch() returns a batch as soon as one of these holds
+//   kFull     enough live requests (or tokens) are queued to fill the caller's batch;
+//   kUrgent   a request arrived at the top priority level (when release_on_urgent is set);
+//   kMaxWait  the oldest waiting request has waited max_wait;
+//   kWindow   the batch window, opened by the first arrival after the last release, has expired;
+//   kClosed   the queue was closed: whatever is left is handed out without waiting.
+// When none holds before the call's timeout it returns kTimeout with an empty batch; when only
+// expiries or cancellations are to be reported it returns kEvicted at once, so the caller can
+// finish those requests promptly.
+//
+// Order inside a batch (the same rule the Python reference in bench/ implements):
+//   1. effective priority, highest first: priority + floor(wait / aging_interval), capped at the
+//      top level, so a waiting request is promoted one level per aging interval (no starvation);
+//   2. within a level, the head request's length bucket first, then the nearest buckets
+//      (distance |b - head_bucket|, the shorter bucket first on a tie);
+//   3. FIFO (arrival order) last.
+// The head request is the first by (effective priority, arrival). A request costs
+// prompt_tokens + max_new_tokens (its KV footprint at the end) against the token budget; the
+// batch stops at the first request that does not fit, so a large request is never overtaken
+// forever by smaller ones behind it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace streambatch {
+
+using RequestId = std::int64_t;
+using Nanos = std::int64_t;
+
+// Time source for every queue decision, injectable so tests are deterministic.
+class Clock {
+ public:
+  virtual ~Clock() = default;
+  [[nodiscard]] virtual Nanos now_ns() const = 0;
+};
+
+// std::chrono::steady_clock: CLOCK_MONOTONIC on Linux, the same base as Python's
+// time.monotonic_ns(), so callers can compute absolute deadlines on their side.
+class SteadyClock final : public Clock {
+ public:
+  [[nodiscard]] Nanos now_ns() const override;
+};
+
+// A clock that moves only when told to (tests).
+class ManualClock final : public Clock {
+ public:
+  explicit ManualClock(Nanos start = 0) : now_(start) {}
+  [[nodiscard]] Nanos now_ns() const override { return now_.load(); }
+  void advance_ns(Nanos delta) { now_.fetch_add(delta); }
+  void set_ns(Nanos t) { now_.store(t); }
+
+ private:
+  std::atomic<Nanos> now_;
+};
+
+struct QueueConfig {
+  int priority_levels = 2;                  // levels 0..priority_levels-1; higher = more urgent
+  std::int64_t capacity = 4096;             // live waiting requests, all levels together
+  std::vector<std::int64_t> level_capacity; // optional per level; empty or 0 = no own limit
+  std::vector<std::int64_t> bucket_bounds;  // ascending upper bounds (tokens) of prompt buckets
+  std::int64_t max_batch_requests = 64;
+  std::int64_t max_batch_tokens = 1 << 20;
+  Nanos batch_window_ns = 0;                // 0: no window, release on arrival
+  Nanos max_wait_ns = 50'000'000;           // the seed's 50 ms
+  Nanos aging_interval_ns = 0;              // 0: no aging
+  bool release_on_urgent = true;
+};
+
+enum class PushStatus { kAccepted, kQueueFull, kDuplicateId, kClosed, kInvalid };
+
+struct PushResult {
+  PushStatus status = PushStatus::kAccepted;
+  std::string reason;  // why, for kQueueFull ("total"/"level") and kInvalid
+};
+
+enum class ReleaseReason { kFull, kWindow, kMaxWait, kUrgent, kClosed, kTimeout, kEvicted };
+inline constexpr int kReleaseReasonCount = 7;
+
+struct PopResult {
+  std::vector<RequestId> admitted;   // in batch order
+  std::vector<RequestId> expired;    // deadline passed while queued: never send to the engine
+  std::vector<RequestId> cancelled;  // cancelled while queued
+  ReleaseReason reason = ReleaseReason::kTimeout;
+};
+
+struct QueueStats {
+  std::vector<std::vector<std::int64_t>> depth;  // [level][bucket], live waiting requests
+  std::int64_t size = 0;
+  std::int64_t queued_tokens = 0;
+  Nanos oldest_wait_ns = 0;
+  std::int64_t accepted = 0;
+  std::int64_t rejected_full = 0;
+  std::int64_t rejected_duplicate = 0;
+  std::int64_t rejected_closed = 0;
+  std::int64_t rejected_invalid = 0;
+  std::int64_t expired = 0;
+  std::int64_t cancelled = 0;
+  std::int64_t admitted = 0;
+  std::vector<std::int64_t> released;  // indexed by ReleaseReason
+};
+
+class BatchQueue {
+ public:
+  // Throws std::invalid_argument for an unusable configuration.
+  explicit BatchQueue(QueueConfig config, std::shared_ptr<const Clock> clock = nullptr);
+
+  BatchQueue(const BatchQueue&) = delete;
+  BatchQueue& operator=(const BatchQueue&) = delete;
+
+  // Never blocks. deadline_ns is absolute on this queue's clock; 0 means none.
+  [[nodiscard]] PushResult push(RequestId id, std::int64_t prompt_tokens,
+                                std::int64_t max_new_tokens, int priority, Nanos deadline_ns);
+
+  // Blocks up to timeout_ns (on this queue's clock) until a release rule fires.
+  // max_requests / max_tokens are the caller's room, capped by the configured batch limits.
+  [[nodiscard]] PopResult pop_batch(std::int64_t max_requests, std::int64_t max_tokens,
+                                    Nanos timeout_ns);
+
+  // True when id was waiting; it is reported in the next pop's `cancelled`.
+  bool cancel(RequestId id);
+  // Wakes every waiter; later pushes return kClosed; the rest is handed out without waiting.
+  void close();
+
+  [[nodiscard]] QueueStats stats() const;
+  [[nodiscard]] std::int64_t size() const;
+  [[nodiscard]] bool closed() const;
+  [[nodiscard]] Nanos now_ns() const { return clock_->now_ns(); }
+  [[nodiscard]] const QueueConfig& config() const { return config_; }
+  [[nodiscard]] int bucket_of(std::int64_t prompt_tokens) const;
+
+ private:
+  struct Entry {
+    std::int64_t prompt_tokens;
+    std::int64_t max_new_tokens;
+    int priority;
+    int bucket;
+    Nanos enqueued_ns;
+    Nanos deadline_ns;
+    std::uint64_t seq;
+    [[nodiscard]] std::int64_t cost() const { return prompt_tokens + max_new_tokens; }
+  };
+  struct Slot {  // one FIFO per (priority, bucket); holds ids, entries live in entries_
+    RequestId id;
+    std::uint64_t seq;
+  };
+  struct DeadlineItem {
+    Nanos deadline_ns;
+    RequestId id;
+    std::uint64_t seq;
+    bool operator>(const DeadlineItem& o) const { return deadline_ns > o.deadline_ns; }
+  };
+
+  [[nodiscard]] std::string validate(std::int64_t prompt_tokens, std::int64_t max_new_tokens,
+                                     int priority, Nanos deadline_ns) const;
+  [[nodiscard]] std::deque<Slot>& fifo(int priority, int bucket) {
+    return fifos_[static_cast<size_t>(priority) * bucket_count_ + static_cast<size_t>(bucket)];
+  }
+  [[nodiscard]] int effective_priority(const Entry& e, Nanos now) const;
+  void remove_locked(RequestId id, const Entry& e);
+  void drop_dead_heads_locked(std::deque<Slot>& q);
+  void expire_locked(Nanos now, std::vector<RequestId>& out);
+  [[nodiscard]] bool release_reason_locked(Nanos now, std::int64_t max_requests,
+                                           std::int64_t max_tokens, ReleaseReason& why);
+  [[nodiscard]] Nanos next_event_locked(Nanos now) const;
+  [[nodiscard]] Nanos oldest_enqueued_locked() const;
+  void select_locked(Nanos now, std::int64_t max_requests, std::int64_t max_tokens,
+                     std::vector<RequestId>& out);
+
+  const QueueConfig config_;
+  const std::shared_ptr<const Clock> clock_;
+  const size_t bucket_count_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_map<RequestId, Entry> entries_;
+  std::vector<std::deque<Slot>> fifos_;
+  std::priority_queue<DeadlineItem, std::vector<DeadlineItem>, std::greater<>> deadlines_;
+  std::vector<std::int64_t> level_size_;
+  std::vector<std::int64_t> depth_;  // [priority * bucket_count_ + bucket]
+  std::vector<RequestId> cancelled_;
+  std::int64_t queued_tokens_ = 0;
+  std::uint64_t next_seq_ = 0;
+  Nanos window_start_ns_ = -1;  // -1: no window open
+  bool urgent_pending_ = false;
+  bool closed_ = false;
+  QueueStats counters_;
+};
+
+[[nodiscard]] const char* to_string(PushStatus s);
+[[nodiscard]] const char* to_string(ReleaseReason r);
+
+}  // namespace streambatch

@@ -1,0 +1,142 @@
+// Python bindings for the batching core: pyserver._core (re-exported by pyserver.batching).
+// Blocking calls release the GIL and take only plain arguments; results are copied into Python
+// objects after the GIL is re-acquired.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "batch_queue.h"
+
+namespace py = pybind11;
+using namespace streambatch;
+
+namespace {
+
+constexpr double kNsPerSecond = 1e9;
+
+Nanos seconds_to_ns(double seconds) {
+  if (!(seconds >= 0.0)) throw py::value_error("timeout must be a number of seconds >= 0");
+  if (seconds > 1e9) return std::numeric_limits<Nanos>::max();
+  return static_cast<Nanos>(seconds * kNsPerSecond);
+}
+
+PushStatus push_or_raise(BatchQueue& q, RequestId id, std::int64_t prompt_tokens,
+                         std::int64_t max_new_tokens, int priority, Nanos deadline_ns) {
+  PushResult r = q.push(id, prompt_tokens, max_new_tokens, priority, deadline_ns);
+  if (r.status == PushStatus::kInvalid) throw py::value_error(r.reason);
+  return r.status;
+}
+
+[[noreturn]] void reject_push(const py::args&, const py::kwargs&) {
+  throw py::value_error(
+      "push(id, prompt_tokens, max_new_tokens, priority=0, deadline_ns=0) takes integers: "
+      "id, token counts and deadline in [0, 2^63), priority a valid level");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "streambatch batching core (C++17)";
+
+  py::enum_<PushStatus>(m, "PushStatus")
+      .value("ACCEPTED", PushStatus::kAccepted)
+      .value("QUEUE_FULL", PushStatus::kQueueFull)
+      .value("DUPLICATE_ID", PushStatus::kDuplicateId)
+      .value("CLOSED", PushStatus::kClosed)
+      .value("INVALID", PushStatus::kInvalid);
+
+  py::enum_<ReleaseReason>(m, "ReleaseReason")
+      .value("FULL", ReleaseReason::kFull)
+      .value("WINDOW", ReleaseReason::kWindow)
+      .value("MAX_WAIT", ReleaseReason::kMaxWait)
+      .value("URGENT", ReleaseReason::kUrgent)
+      .value("CLOSED", ReleaseReason::kClosed)
+      .value("TIMEOUT", ReleaseReason::kTimeout)
+      .value("EVICTED", ReleaseReason::kEvicted);
+
+  py::class_<Clock, std::shared_ptr<Clock>>(m, "Clock").def("now_ns", &Clock::now_ns);
+  py::class_<SteadyClock, Clock, std::shared_ptr<SteadyClock>>(m, "SteadyClock")
+      .def(py::init<>());
+  py::class_<ManualClock, Clock, std::shared_ptr<ManualClock>>(m, "ManualClock")
+      .def(py::init<Nanos>(), py::arg("start_ns") = 0)
+      .def("advance_ns", &ManualClock::advance_ns)
+      .def("advance", [](ManualClock& c, double s) { c.advance_ns(seconds_to_ns(s)); })
+      .def("set_ns", &ManualClock::set_ns);
+
+  py::class_<QueueConfig>(m, "QueueConfig")
+      .def(py::init<>())
+      .def_readwrite("priority_levels", &QueueConfig::priority_levels)
+      .def_readwrite("capacity", &QueueConfig::capacity)
+      .def_readwrite("level_capacity", &QueueConfig::level_capacity)
+      .def_readwrite("bucket_bounds", &QueueConfig::bucket_bounds)
+      .def_readwrite("max_batch_requests", &QueueConfig::max_batch_requests)
+      .def_readwrite("max_batch_tokens", &QueueConfig::max_batch_tokens)
+      .def_readwrite("batch_window_ns", &QueueConfig::batch_window_ns)
+      .def_readwrite("max_wait_ns", &QueueConfig::max_wait_ns)
+      .def_readwrite("aging_interval_ns", &QueueConfig::aging_interval_ns)
+      .def_readwrite("release_on_urgent", &QueueConfig::release_on_urgent);
+
+  py::class_<PopResult>(m, "PopResult")
+      .def_readonly("admitted", &PopResult::admitted)
+      .def_readonly("expired", &PopResult::expired)
+      .def_readonly("cancelled", &PopResult::cancelled)
+      .def_readonly("reason", &PopResult::reason)
+      .def("__repr__", [](const PopResult& r) {
+        return "PopResult(admitted=" + std::to_string(r.admitted.size()) +
+               ", expired=" + std::to_string(r.expired.size()) +
+               ", cancelled=" + std::to_string(r.cancelled.size()) +
+               ", reason=" + to_string(r.reason) + ")";
+      });
+
+  py::class_<QueueStats>(m, "QueueStats")
+      .def_readonly("depth", &QueueStats::depth)
+      .def_readonly("size", &QueueStats::size)
+      .def_readonly("queued_tokens", &QueueStats::queued_tokens)
+      .def_readonly("oldest_wait_ns", &QueueStats::oldest_wait_ns)
+      .def_readonly("accepted", &QueueStats::accepted)
+      .def_readonly("rejected_full", &QueueStats::rejected_full)
+      .def_readonly("rejected_duplicate", &QueueStats::rejected_duplicate)
+      .def_readonly("rejected_closed", &QueueStats::rejected_closed)
+      .def_readonly("rejected_invalid", &QueueStats::rejected_invalid)
+      .def_readonly("expired", &QueueStats::expired)
+      .def_readonly("cancelled", &QueueStats::cancelled)
+      .def_readonly("admitted", &QueueStats::admitted)
+      .def_property_readonly("released", [](const QueueStats& s) {
+        py::dict out;
+        for (int i = 0; i < kReleaseReasonCount; ++i)
+          out[to_string(static_cast<ReleaseReason>(i))] = s.released[static_cast<size_t>(i)];
+        return out;
+      });
+
+  py::class_<BatchQueue>(m, "BatchQueue")
+      .def(py::init([](const QueueConfig& c, std::shared_ptr<Clock> clock) {
+             try {
+               return new BatchQueue(c, std::move(clock));
+             } catch (const std::invalid_argument& e) {
+               throw py::value_error(e.what());
+             }
+           }),
+           py::arg("config"), py::arg("clock") = nullptr)
+      .def("push", &push_or_raise, py::arg("id"), py::arg("prompt_tokens"),
+           py::arg("max_new_tokens"), py::arg("priority") = 0, py::arg("deadline_ns") = 0)
+      .def("push", &reject_push)  // reached only when the arguments are not valid integers
+      .def(
+          "pop_batch",
+          [](BatchQueue& q, std::int64_t max_requests, std::int64_t max_tokens, double timeout) {
+            const Nanos timeout_ns = seconds_to_ns(timeout);
+            py::gil_scoped_release release;
+            return q.pop_batch(max_requests, max_tokens, timeout_ns);
+          },
+          py::arg("max_requests"), py::arg("max_tokens"), py::arg("timeout") = 0.0)
+      .def("cancel", &BatchQueue::cancel, py::arg("id"))
+      .def("close", &BatchQueue::close, py::call_guard<py::gil_scoped_release>())
+      .def("stats", &BatchQueue::stats)
+      .def("size", &BatchQueue::size)
+      .def("__len__", &BatchQueue::size)
+      .def("now_ns", &BatchQueue::now_ns)
+      .def("bucket_of", &BatchQueue::bucket_of)
+      .def_property_readonly("closed", &BatchQueue::closed);
+
+  m.def("push_status_name", [](PushStatus s) { return to_string(s); });
+}
