@@ -73,8 +73,10 @@ BatchQueue::BatchQueue(QueueConfig config, std::shared_ptr<const Clock> clock)
       bucket_count_(config_.bucket_bounds.size() + 1),
       fifos_(static_cast<size_t>(config_.priority_levels) * bucket_count_),
       level_size_(static_cast<size_t>(config_.priority_levels), 0),
-      depth_(fifos_.size(), 0) {
+      depth_(fifos_.size(), 0),
+      tombstones_(fifos_.size(), 0) {
   counters_.released.assign(kReleaseReasonCount, 0);
+  entries_.reserve(static_cast<size_t>(std::min<std::int64_t>(config_.capacity, 1 << 16)));
 }
 
 int BatchQueue::bucket_of(std::int64_t prompt_tokens) const {
@@ -130,7 +132,7 @@ PushResult BatchQueue::push(RequestId id, std::int64_t prompt_tokens, std::int64
     const std::uint64_t seq = next_seq_++;
     entries_.emplace(id, Entry{prompt_tokens, max_new_tokens, priority, bucket, now, deadline_ns,
                                seq});
-    fifo(priority, bucket).push_back(Slot{id, seq});
+    fifo(priority, bucket).push_back(Slot{id, seq, now, prompt_tokens + max_new_tokens});
     if (deadline_ns > 0) deadlines_.push(DeadlineItem{deadline_ns, id, seq});
     ++level_size_[level];
     ++depth_[level * bucket_count_ + static_cast<size_t>(bucket)];
@@ -145,29 +147,33 @@ PushResult BatchQueue::push(RequestId id, std::int64_t prompt_tokens, std::int64
 
 void BatchQueue::remove_locked(RequestId id, const Entry& e) {
   const auto level = static_cast<size_t>(e.priority);
-  const size_t slot = level * bucket_count_ + static_cast<size_t>(e.bucket);
+  const size_t index = level * bucket_count_ + static_cast<size_t>(e.bucket);
   --level_size_[level];
-  --depth_[slot];
+  --depth_[index];
   queued_tokens_ -= e.cost();
-  auto& q = fifos_[slot];
   entries_.erase(id);
-  drop_dead_heads_locked(q);
-  // Cancelled or expired entries stay in their FIFO as tombstones; compact when they dominate.
-  if (q.size() > 64 && q.size() > 2 * static_cast<size_t>(depth_[slot])) {
+  ++tombstones_[index];
+  drop_dead_heads_locked(index);
+  // Tombstones in the middle of a FIFO wait to reach its head; compact when they dominate.
+  auto& q = fifos_[index];
+  if (q.size() > 64 && q.size() > 2 * static_cast<size_t>(depth_[index])) {
     std::deque<Slot> live;
     for (const auto& s : q) {
       auto it = entries_.find(s.id);
       if (it != entries_.end() && it->second.seq == s.seq) live.push_back(s);
     }
     q.swap(live);
+    tombstones_[index] = 0;
   }
 }
 
-void BatchQueue::drop_dead_heads_locked(std::deque<Slot>& q) {
-  while (!q.empty()) {
+void BatchQueue::drop_dead_heads_locked(size_t index) {
+  auto& q = fifos_[index];
+  while (tombstones_[index] > 0 && !q.empty()) {
     auto it = entries_.find(q.front().id);
     if (it != entries_.end() && it->second.seq == q.front().seq) return;
     q.pop_front();
+    --tombstones_[index];
   }
 }
 
@@ -191,17 +197,17 @@ void BatchQueue::expire_locked(Nanos now, std::vector<RequestId>& out) {
   }
 }
 
-int BatchQueue::effective_priority(const Entry& e, Nanos now) const {
-  if (config_.aging_interval_ns <= 0) return e.priority;
-  const Nanos promoted = (now - e.enqueued_ns) / config_.aging_interval_ns;
+int BatchQueue::effective_priority(int priority, Nanos enqueued_ns, Nanos now) const {
+  if (config_.aging_interval_ns <= 0) return priority;
+  const Nanos promoted = (now - enqueued_ns) / config_.aging_interval_ns;
   const Nanos top = config_.priority_levels - 1;
-  return static_cast<int>(std::min<Nanos>(top, e.priority + std::max<Nanos>(0, promoted)));
+  return static_cast<int>(std::min<Nanos>(top, priority + std::max<Nanos>(0, promoted)));
 }
 
 Nanos BatchQueue::oldest_enqueued_locked() const {
   Nanos oldest = kNever;
   for (const auto& q : fifos_)
-    if (!q.empty()) oldest = std::min(oldest, entries_.at(q.front().id).enqueued_ns);
+    if (!q.empty()) oldest = std::min(oldest, q.front().enqueued_ns);
   return oldest;
 }
 
@@ -246,7 +252,7 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
     for (int b = 0; b < buckets; ++b) {
       auto& q = fifo(p, b);
       if (q.empty()) continue;
-      const int eff = effective_priority(entries_.at(q.front().id), now);
+      const int eff = effective_priority(p, q.front().enqueued_ns, now);
       if (eff > best_eff || (eff == best_eff && q.front().seq < best_seq)) {
         best_eff = eff;
         best_seq = q.front().seq;
@@ -261,13 +267,14 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
     // Merge the FIFO heads by (effective priority desc, bucket distance, bucket, arrival).
     // Each FIFO is already in that order: older entries are both earlier and more aged.
     std::deque<Slot>* pick = nullptr;
+    size_t pick_index = 0;
     int pick_eff = -1, pick_dist = 0, pick_bucket = 0;
     std::uint64_t pick_seq = 0;
     for (int p = 0; p < levels; ++p) {
       for (int b = 0; b < buckets; ++b) {
         auto& q = fifo(p, b);
         if (q.empty()) continue;
-        const int eff = effective_priority(entries_.at(q.front().id), now);
+        const int eff = effective_priority(p, q.front().enqueued_ns, now);
         const int dist = std::abs(b - head_bucket);
         const std::uint64_t seq = q.front().seq;
         const bool better =
@@ -277,6 +284,7 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
               (dist == pick_dist && (b < pick_bucket || (b == pick_bucket && seq < pick_seq)))));
         if (better) {
           pick = &q;
+          pick_index = static_cast<size_t>(p) * bucket_count_ + static_cast<size_t>(b);
           pick_eff = eff;
           pick_dist = dist;
           pick_bucket = b;
@@ -285,12 +293,18 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
       }
     }
     if (pick == nullptr) break;
-    const RequestId id = pick->front().id;
-    const Entry e = entries_.at(id);
-    if (tokens + e.cost() > max_tokens) break;  // no overtaking past a request that does not fit
-    tokens += e.cost();
-    out.push_back(id);
-    remove_locked(id, e);
+    const Slot slot = pick->front();
+    if (tokens + slot.cost > max_tokens) break;  // no overtaking past a request that does not fit
+    tokens += slot.cost;
+    out.push_back(slot.id);
+    // The head is live by invariant: remove it without a tombstone (one hash operation).
+    const auto level = pick_index / bucket_count_;
+    pick->pop_front();
+    entries_.erase(slot.id);
+    --level_size_[level];
+    --depth_[pick_index];
+    queued_tokens_ -= slot.cost;
+    drop_dead_heads_locked(pick_index);
   }
 }
 

@@ -156,9 +156,13 @@ class BatchQueue {
     std::uint64_t seq;
     [[nodiscard]] std::int64_t cost() const { return prompt_tokens + max_new_tokens; }
   };
-  struct Slot {  // one FIFO per (priority, bucket); holds ids, entries live in entries_
+  // One FIFO per (priority, bucket). A slot copies what ordering needs so batch selection
+  // never touches the hash map; seq tells a live slot from a tombstone left by cancel/expiry.
+  struct Slot {
     RequestId id;
     std::uint64_t seq;
+    Nanos enqueued_ns;
+    std::int64_t cost;
   };
   struct DeadlineItem {
     Nanos deadline_ns;
@@ -172,9 +176,9 @@ class BatchQueue {
   [[nodiscard]] std::deque<Slot>& fifo(int priority, int bucket) {
     return fifos_[static_cast<size_t>(priority) * bucket_count_ + static_cast<size_t>(bucket)];
   }
-  [[nodiscard]] int effective_priority(const Entry& e, Nanos now) const;
-  void remove_locked(RequestId id, const Entry& e);
-  void drop_dead_heads_locked(std::deque<Slot>& q);
+  [[nodiscard]] int effective_priority(int priority, Nanos enqueued_ns, Nanos now) const;
+  void remove_locked(RequestId id, const Entry& e);  // cancel/expiry: leaves a tombstone
+  void drop_dead_heads_locked(size_t fifo_index);
   void expire_locked(Nanos now, std::vector<RequestId>& out);
   [[nodiscard]] bool release_reason_locked(Nanos now, std::int64_t max_requests,
                                            std::int64_t max_tokens, ReleaseReason& why);
@@ -193,7 +197,8 @@ class BatchQueue {
   std::vector<std::deque<Slot>> fifos_;
   std::priority_queue<DeadlineItem, std::vector<DeadlineItem>, std::greater<>> deadlines_;
   std::vector<std::int64_t> level_size_;
-  std::vector<std::int64_t> depth_;  // [priority * bucket_count_ + bucket]
+  std::vector<std::int64_t> depth_;       // live slots per FIFO [priority * bucket_count_ + bucket]
+  std::vector<std::int64_t> tombstones_;  // dead slots per FIFO; 0 lets selection skip lookups
   std::vector<RequestId> cancelled_;
   std::int64_t queued_tokens_ = 0;
   std::uint64_t next_seq_ = 0;

@@ -21,11 +21,18 @@ Nanos seconds_to_ns(double seconds) {
   return static_cast<Nanos>(seconds * kNsPerSecond);
 }
 
-PushStatus push_or_raise(BatchQueue& q, RequestId id, std::int64_t prompt_tokens,
+// push() is the hot call: returning a pre-built enum object (an incref) instead of casting a
+// new one each time is most of the difference between ~0.3 and ~1.5 microseconds per push.
+std::vector<py::object>& status_objects() {
+  static auto* objects = new std::vector<py::object>();  // leaked: outlives interpreter teardown
+  return *objects;
+}
+
+py::object push_or_raise(BatchQueue& q, RequestId id, std::int64_t prompt_tokens,
                          std::int64_t max_new_tokens, int priority, Nanos deadline_ns) {
   PushResult r = q.push(id, prompt_tokens, max_new_tokens, priority, deadline_ns);
   if (r.status == PushStatus::kInvalid) throw py::value_error(r.reason);
-  return r.status;
+  return status_objects()[static_cast<size_t>(r.status)];
 }
 
 [[noreturn]] void reject_push(const py::args&, const py::kwargs&) {
@@ -45,6 +52,9 @@ PYBIND11_MODULE(_core, m) {
       .value("DUPLICATE_ID", PushStatus::kDuplicateId)
       .value("CLOSED", PushStatus::kClosed)
       .value("INVALID", PushStatus::kInvalid);
+  for (auto s : {PushStatus::kAccepted, PushStatus::kQueueFull, PushStatus::kDuplicateId,
+                 PushStatus::kClosed, PushStatus::kInvalid})
+    status_objects().push_back(py::cast(s));
 
   py::enum_<ReleaseReason>(m, "ReleaseReason")
       .value("FULL", ReleaseReason::kFull)

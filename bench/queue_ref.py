@@ -1,0 +1,78 @@
+"""Pure-Python reference of the BatchQueue admission policy (csrc/batch_queue.h), heapq-based.
+
+It implements the same order (effective priority with aging, head bucket then nearest buckets,
+FIFO) and the same token-budget rule, without the blocking and release-rule machinery; the
+benchmark measures the C++ core against it and the tests check both produce the same order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Entry:
+    id: int
+    cost: int
+    priority: int
+    bucket: int
+    enqueued_ns: int
+    seq: int
+
+
+class ReferenceQueue:
+    def __init__(
+        self, priority_levels: int, bucket_bounds: list[int], aging_interval_ns: int = 0
+    ) -> None:
+        self._levels = priority_levels
+        self._bounds = list(bucket_bounds)
+        self._buckets = len(bucket_bounds) + 1
+        self._aging = aging_interval_ns
+        self._heaps: list[list[tuple[int, _Entry]]] = [
+            [] for _ in range(priority_levels * self._buckets)
+        ]
+        self._seq = 0
+
+    def push(self, id: int, prompt_tokens: int, max_new_tokens: int, priority: int, now_ns: int) -> None:
+        bucket = bisect.bisect_left(self._bounds, prompt_tokens)
+        entry = _Entry(id, prompt_tokens + max_new_tokens, priority, bucket, now_ns, self._seq)
+        heapq.heappush(self._heaps[priority * self._buckets + bucket], (self._seq, entry))
+        self._seq += 1
+
+    def _effective(self, e: _Entry, now_ns: int) -> int:
+        if self._aging <= 0:
+            return e.priority
+        return min(self._levels - 1, e.priority + max(0, (now_ns - e.enqueued_ns) // self._aging))
+
+    def pop_batch(self, max_requests: int, max_tokens: int, now_ns: int) -> list[int]:
+        heads = [h for h in self._heaps if h]
+        if not heads:
+            return []
+        head = max(heads, key=lambda h: (self._effective(h[0][1], now_ns), -h[0][0]))
+        head_bucket = head[0][1].bucket
+        out: list[int] = []
+        tokens = 0
+        while len(out) < max_requests:
+            best: list[tuple[int, _Entry]] | None = None
+            best_key: tuple[int, int, int, int] | None = None
+            for h in self._heaps:
+                if not h:
+                    continue
+                e = h[0][1]
+                key = (-self._effective(e, now_ns), abs(e.bucket - head_bucket), e.bucket, e.seq)
+                if best_key is None or key < best_key:
+                    best, best_key = h, key
+            if best is None:
+                break
+            e = best[0][1]
+            if tokens + e.cost > max_tokens:
+                break
+            tokens += e.cost
+            heapq.heappop(best)
+            out.append(e.id)
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(h) for h in self._heaps)

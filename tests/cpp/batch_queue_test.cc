@@ -1,0 +1,365 @@
+#include "batch_queue.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <set>
+#include <thread>
+#include <vector>
+
+using namespace streambatch;
+
+namespace {
+
+constexpr Nanos kMs = 1'000'000;
+
+struct Fixture {
+  std::shared_ptr<ManualClock> clock = std::make_shared<ManualClock>(1'000 * kMs);
+  QueueConfig config;
+  Fixture() {
+    config.max_wait_ns = 0;
+    config.batch_window_ns = 0;
+    config.release_on_urgent = false;
+  }
+  BatchQueue make() { return BatchQueue(config, clock); }
+};
+
+void push_ok(BatchQueue& q, RequestId id, std::int64_t prompt, int prio = 0, Nanos deadline = 0,
+             std::int64_t max_new = 1) {
+  ASSERT_EQ(q.push(id, prompt, max_new, prio, deadline).status, PushStatus::kAccepted) << id;
+}
+
+}  // namespace
+
+TEST(BatchQueue, PriorityFirstThenFifo) {
+  Fixture f;
+  auto q = f.make();
+  push_ok(q, 1, 10, 0);
+  push_ok(q, 2, 10, 1);
+  push_ok(q, 3, 10, 0);
+  push_ok(q, 4, 10, 1);
+  auto r = q.pop_batch(10, 1000, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{2, 4, 1, 3}));
+  EXPECT_EQ(r.reason, ReleaseReason::kWindow);
+}
+
+TEST(BatchQueue, BucketsFillHeadBucketThenNearest) {
+  Fixture f;
+  f.config.priority_levels = 1;
+  f.config.bucket_bounds = {16, 64, 256};  // buckets: <=16, <=64, <=256, >256
+  auto q = f.make();
+  push_ok(q, 1, 100);  // bucket 2, the head
+  push_ok(q, 2, 10);   // bucket 0
+  push_ok(q, 3, 500);  // bucket 3
+  push_ok(q, 4, 50);   // bucket 1
+  push_ok(q, 5, 200);  // bucket 2
+  auto r = q.pop_batch(10, 100000, 0);
+  // Head bucket 2 first (FIFO), then distance 1 (bucket 1 before bucket 3), then bucket 0.
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 5, 4, 3, 2}));
+}
+
+TEST(BatchQueue, PriorityOutranksBuckets) {
+  Fixture f;
+  f.config.bucket_bounds = {16};
+  auto q = f.make();
+  push_ok(q, 1, 100, 1);  // head: high, long bucket
+  push_ok(q, 2, 200, 0);  // low, same bucket as head
+  push_ok(q, 3, 5, 1);    // high, other bucket
+  auto r = q.pop_batch(10, 100000, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 3, 2}));
+}
+
+TEST(BatchQueue, TokenBudgetStopsWithoutOvertaking) {
+  Fixture f;
+  auto q = f.make();
+  push_ok(q, 1, 40, 0, 0, 10);  // cost 50
+  push_ok(q, 2, 90, 0, 0, 10);  // cost 100
+  push_ok(q, 3, 5, 0, 0, 5);    // cost 10
+  auto r = q.pop_batch(10, 120, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1}));  // 2 does not fit; 3 may not overtake it
+  r = q.pop_batch(10, 120, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{2, 3}));
+}
+
+TEST(BatchQueue, MaxRequestsAndFullRule) {
+  Fixture f;
+  f.config.batch_window_ns = 10'000 * kMs;  // the window alone would hold them
+  auto q = f.make();
+  for (RequestId i = 0; i < 5; ++i) push_ok(q, i, 1);
+  auto r = q.pop_batch(3, 1000, 0);
+  EXPECT_EQ(r.reason, ReleaseReason::kFull);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{0, 1, 2}));
+  r = q.pop_batch(3, 1000, 0);  // two left, window not expired: nothing yet
+  EXPECT_TRUE(r.admitted.empty());
+  EXPECT_EQ(r.reason, ReleaseReason::kTimeout);
+}
+
+TEST(BatchQueue, WindowAndMaxWait) {
+  Fixture f;
+  f.config.batch_window_ns = 20 * kMs;
+  f.config.max_wait_ns = 50 * kMs;
+  auto q = f.make();
+  push_ok(q, 1, 1);
+  EXPECT_TRUE(q.pop_batch(8, 1000, 0).admitted.empty());
+  f.clock->advance_ns(20 * kMs);
+  auto r = q.pop_batch(1, 1000, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1}));
+  EXPECT_EQ(r.reason, ReleaseReason::kFull);  // one slot asked, one queued
+
+  push_ok(q, 2, 1);
+  f.clock->advance_ns(20 * kMs);
+  push_ok(q, 3, 1);
+  r = q.pop_batch(8, 1000, 0);
+  EXPECT_EQ(r.reason, ReleaseReason::kWindow);
+  EXPECT_EQ(r.admitted.size(), 2u);
+}
+
+TEST(BatchQueue, MaxWaitFiresWhenWindowKeepsReopening) {
+  Fixture f;
+  f.config.batch_window_ns = 40 * kMs;
+  f.config.max_wait_ns = 50 * kMs;
+  auto q = f.make();
+  push_ok(q, 1, 60, 0, 0, 10);  // cost 70
+  push_ok(q, 2, 60, 0, 0, 10);
+  f.clock->advance_ns(40 * kMs);
+  auto r = q.pop_batch(8, 100, 0);  // budget for one: the window reopens for request 2
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1}));
+  f.clock->advance_ns(10 * kMs);  // window (reopened 10 ms ago) not expired; 2 waited 50 ms
+  r = q.pop_batch(8, 100, 0);
+  EXPECT_EQ(r.reason, ReleaseReason::kMaxWait);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{2}));
+}
+
+TEST(BatchQueue, UrgentArrivalReleasesAtOnce) {
+  Fixture f;
+  f.config.batch_window_ns = 1'000 * kMs;
+  f.config.release_on_urgent = true;
+  auto q = f.make();
+  push_ok(q, 1, 1, 0);
+  EXPECT_TRUE(q.pop_batch(8, 1000, 0).admitted.empty());
+  push_ok(q, 2, 1, 1);
+  auto r = q.pop_batch(8, 1000, 0);
+  EXPECT_EQ(r.reason, ReleaseReason::kUrgent);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{2, 1}));
+}
+
+TEST(BatchQueue, DeadlinesExpireWhileQueued) {
+  Fixture f;
+  f.config.batch_window_ns = 1'000 * kMs;
+  auto q = f.make();
+  const Nanos now = f.clock->now_ns();
+  push_ok(q, 1, 1, 0, now + 10 * kMs);
+  push_ok(q, 2, 1, 0, now + 100 * kMs);
+  push_ok(q, 3, 1, 0, 0);
+  f.clock->advance_ns(10 * kMs);
+  auto r = q.pop_batch(8, 1000, 0);
+  EXPECT_EQ(r.expired, (std::vector<RequestId>{1}));
+  EXPECT_TRUE(r.admitted.empty());
+  EXPECT_EQ(r.reason, ReleaseReason::kEvicted);
+  f.clock->advance_ns(1'000 * kMs);
+  r = q.pop_batch(8, 1000, 0);
+  EXPECT_EQ(r.expired, (std::vector<RequestId>{2}));
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{3}));
+  EXPECT_EQ(q.stats().expired, 2);
+}
+
+TEST(BatchQueue, AgingPromotesOneLevelPerInterval) {
+  Fixture f;
+  f.config.priority_levels = 3;
+  f.config.aging_interval_ns = 100 * kMs;
+  auto q = f.make();
+  push_ok(q, 1, 1, 0);
+  f.clock->advance_ns(100 * kMs);  // 1 is now effectively level 1
+  push_ok(q, 2, 1, 1);
+  push_ok(q, 3, 1, 2);
+  auto r = q.pop_batch(8, 1000, 0);
+  // Level 2: {3}; level 1: {1 (aged, older), 2}.
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{3, 1, 2}));
+
+  push_ok(q, 4, 1, 0);
+  f.clock->advance_ns(250 * kMs);  // two intervals: level 0 -> 2 (capped at the top)
+  push_ok(q, 5, 1, 2);
+  r = q.pop_batch(8, 1000, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{4, 5}));
+}
+
+TEST(BatchQueue, CapacityTotalAndPerLevel) {
+  Fixture f;
+  f.config.capacity = 3;
+  f.config.level_capacity = {2, 0};
+  auto q = f.make();
+  push_ok(q, 1, 1, 0);
+  push_ok(q, 2, 1, 0);
+  auto r = q.push(3, 1, 1, 0, 0);
+  EXPECT_EQ(r.status, PushStatus::kQueueFull);
+  EXPECT_EQ(r.reason, "level");
+  push_ok(q, 4, 1, 1);
+  r = q.push(5, 1, 1, 1, 0);
+  EXPECT_EQ(r.status, PushStatus::kQueueFull);
+  EXPECT_EQ(r.reason, "total");
+  EXPECT_EQ(q.stats().rejected_full, 2);
+}
+
+TEST(BatchQueue, InvalidAndDuplicate) {
+  Fixture f;
+  f.config.max_batch_tokens = 100;
+  auto q = f.make();
+  EXPECT_EQ(q.push(-1, 1, 1, 0, 0).status, PushStatus::kInvalid);
+  EXPECT_EQ(q.push(1, -1, 1, 0, 0).status, PushStatus::kInvalid);
+  EXPECT_EQ(q.push(1, 1, -5, 0, 0).status, PushStatus::kInvalid);
+  EXPECT_EQ(q.push(1, 1, 1, 2, 0).status, PushStatus::kInvalid);
+  EXPECT_EQ(q.push(1, 1, 1, -1, 0).status, PushStatus::kInvalid);
+  EXPECT_EQ(q.push(1, 1, 1, 0, -3).status, PushStatus::kInvalid);
+  EXPECT_EQ(q.push(1, std::int64_t{1} << 62, std::int64_t{1} << 62, 0, 0).status,
+            PushStatus::kInvalid);
+  EXPECT_EQ(q.push(1, 90, 20, 0, 0).status, PushStatus::kInvalid);  // can never fit a batch
+  push_ok(q, 1, 1);
+  EXPECT_EQ(q.push(1, 1, 1, 0, 0).status, PushStatus::kDuplicateId);
+  EXPECT_EQ(q.stats().rejected_invalid, 8);
+  QueueConfig descending;
+  descending.bucket_bounds = {10, 5};
+  EXPECT_THROW(BatchQueue{descending}, std::invalid_argument);
+}
+
+TEST(BatchQueue, CancelReportsAndFreesTheId) {
+  Fixture f;
+  auto q = f.make();
+  push_ok(q, 1, 1);
+  push_ok(q, 2, 1);
+  EXPECT_TRUE(q.cancel(1));
+  EXPECT_FALSE(q.cancel(1));
+  EXPECT_FALSE(q.cancel(99));
+  auto r = q.pop_batch(8, 1000, 0);
+  EXPECT_EQ(r.cancelled, (std::vector<RequestId>{1}));
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{2}));
+  push_ok(q, 1, 1);  // the id may be reused once gone
+  EXPECT_EQ(q.pop_batch(8, 1000, 0).admitted, (std::vector<RequestId>{1}));
+}
+
+TEST(BatchQueue, ManyCancelsCompactTombstones) {
+  Fixture f;
+  auto q = f.make();
+  for (RequestId i = 0; i < 1000; ++i) push_ok(q, i, 1);
+  for (RequestId i = 1; i < 999; ++i) EXPECT_TRUE(q.cancel(i));
+  auto r = q.pop_batch(8, 1000, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{0, 999}));
+  EXPECT_EQ(r.cancelled.size(), 998u);
+  EXPECT_EQ(q.size(), 0);
+}
+
+TEST(BatchQueue, CloseWakesWaitersAndDrains) {
+  QueueConfig c;
+  c.batch_window_ns = 10'000 * kMs;
+  c.max_wait_ns = 0;
+  c.release_on_urgent = false;
+  BatchQueue q(c);
+  push_ok(q, 1, 1);
+  std::thread closer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    q.close();
+  });
+  auto r = q.pop_batch(8, 1000, 5'000 * kMs);
+  closer.join();
+  EXPECT_EQ(r.reason, ReleaseReason::kClosed);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1}));
+  EXPECT_EQ(q.push(2, 1, 1, 0, 0).status, PushStatus::kClosed);
+  r = q.pop_batch(8, 1000, 5'000 * kMs);  // returns at once
+  EXPECT_EQ(r.reason, ReleaseReason::kClosed);
+  EXPECT_TRUE(r.admitted.empty());
+}
+
+TEST(BatchQueue, BlockingPopWakesOnPushAndTimesOut) {
+  QueueConfig c;
+  c.max_wait_ns = 0;
+  BatchQueue q(c);
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = q.pop_batch(8, 1000, 30 * kMs);
+  EXPECT_EQ(r.reason, ReleaseReason::kTimeout);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(30));
+  std::thread producer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    push_ok(q, 7, 1);
+  });
+  r = q.pop_batch(8, 1000, 5'000 * kMs);
+  producer.join();
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{7}));
+}
+
+TEST(BatchQueue, BlockingPopWakesAtWindowExpiry) {
+  QueueConfig c;
+  c.batch_window_ns = 30 * kMs;
+  c.max_wait_ns = 0;
+  BatchQueue q(c);
+  push_ok(q, 1, 1);
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = q.pop_batch(8, 1000, 5'000 * kMs);
+  auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(r.reason, ReleaseReason::kWindow);
+  EXPECT_GE(waited, std::chrono::milliseconds(25));
+  EXPECT_LT(waited, std::chrono::milliseconds(2'000));
+}
+
+TEST(BatchQueue, StatsDepthPerLevelAndBucket) {
+  Fixture f;
+  f.config.bucket_bounds = {16};
+  auto q = f.make();
+  push_ok(q, 1, 5, 0);
+  push_ok(q, 2, 50, 1);
+  push_ok(q, 3, 60, 1);
+  f.clock->advance_ns(7 * kMs);
+  auto s = q.stats();
+  EXPECT_EQ(s.depth, (std::vector<std::vector<std::int64_t>>{{1, 0}, {0, 2}}));
+  EXPECT_EQ(s.size, 3);
+  EXPECT_EQ(s.oldest_wait_ns, 7 * kMs);
+  EXPECT_EQ(s.accepted, 3);
+}
+
+TEST(BatchQueue, MultiProducerStressLosesAndDuplicatesNothing) {
+  QueueConfig c;
+  c.capacity = 1 << 20;
+  c.max_wait_ns = 1 * kMs;
+  c.batch_window_ns = 0;
+  c.priority_levels = 4;
+  c.bucket_bounds = {8, 32, 128};
+  c.aging_interval_ns = 1 * kMs;
+  BatchQueue q(c);
+  constexpr int kProducers = 4;
+  constexpr int kPerProducer = 20'000;
+  std::atomic<int> producers_done{0};
+  std::vector<std::thread> producers;
+  std::vector<std::vector<RequestId>> cancelled_by(kProducers);
+  for (int p = 0; p < kProducers; ++p) {
+    producers.emplace_back([&, p] {
+      for (int i = 0; i < kPerProducer; ++i) {
+        const RequestId id = static_cast<RequestId>(p) * kPerProducer + i;
+        const Nanos deadline = (i % 7 == 0) ? q.now_ns() + 200'000 : 0;  // some expire
+        while (q.push(id, 1 + (i * 13) % 200, 1 + i % 5, i % 4, deadline).status !=
+               PushStatus::kAccepted) {
+        }
+        if (i % 11 == 0 && q.cancel(id)) cancelled_by[static_cast<size_t>(p)].push_back(id);
+      }
+      producers_done.fetch_add(1);
+    });
+  }
+  std::vector<RequestId> seen_admitted, seen_expired, seen_cancelled;
+  while (producers_done.load() < kProducers || q.size() > 0) {
+    auto r = q.pop_batch(64, 1 << 20, 2 * kMs);
+    seen_admitted.insert(seen_admitted.end(), r.admitted.begin(), r.admitted.end());
+    seen_expired.insert(seen_expired.end(), r.expired.begin(), r.expired.end());
+    seen_cancelled.insert(seen_cancelled.end(), r.cancelled.begin(), r.cancelled.end());
+  }
+  auto tail = q.pop_batch(64, 1 << 20, 0);  // cancellations reported after the last pop
+  seen_cancelled.insert(seen_cancelled.end(), tail.cancelled.begin(), tail.cancelled.end());
+  for (auto& t : producers) t.join();
+
+  std::set<RequestId> all;
+  for (auto* v : {&seen_admitted, &seen_expired, &seen_cancelled})
+    for (RequestId id : *v) EXPECT_TRUE(all.insert(id).second) << "duplicate id " << id;
+  EXPECT_EQ(all.size(), static_cast<size_t>(kProducers * kPerProducer));
+  size_t cancelled_expected = 0;
+  for (auto& v : cancelled_by) cancelled_expected += v.size();
+  EXPECT_EQ(seen_cancelled.size(), cancelled_expected);
+  auto s = q.stats();
+  EXPECT_EQ(s.admitted + s.expired + s.cancelled, kProducers * kPerProducer);
+}

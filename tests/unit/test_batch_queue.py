@@ -1,0 +1,165 @@
+"""The batching core through its Python bindings."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pyserver.batching import BatchQueue, ManualClock, PushStatus, ReleaseReason, make_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from queue_ref import ReferenceQueue  # noqa: E402
+
+MS = 1_000_000
+
+
+def quiet_config(**kw: object) -> object:
+    base = {"max_wait_s": 0.0, "batch_window_s": 0.0, "release_on_urgent": False}
+    base.update(kw)
+    return make_config(**base)  # type: ignore[arg-type]
+
+
+def test_priority_then_fifo() -> None:
+    q = BatchQueue(quiet_config(), ManualClock())
+    for rid, prio in [(1, 0), (2, 1), (3, 0), (4, 1)]:
+        assert q.push(rid, 10, 1, prio) == PushStatus.ACCEPTED
+    got = q.pop_batch(10, 1000)
+    assert got.admitted == [2, 4, 1, 3]
+    assert got.reason == ReleaseReason.WINDOW
+
+
+def test_gil_is_released_while_pop_blocks() -> None:
+    q = BatchQueue(quiet_config())
+    counter = 0
+    stop = threading.Event()
+
+    def spin() -> None:
+        nonlocal counter
+        while not stop.is_set():
+            counter += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    start = time.monotonic()
+    baseline = counter
+    got = q.pop_batch(8, 1000, timeout=0.3)  # blocks: nothing queued
+    progressed = counter - baseline
+    stop.set()
+    spinner.join()
+    assert got.reason == ReleaseReason.TIMEOUT
+    assert time.monotonic() - start >= 0.29
+    # With the GIL held for 0.3 s the spinner could not have counted at all.
+    assert progressed > 10_000
+
+
+def test_pop_wakes_on_push_from_another_thread() -> None:
+    q = BatchQueue(quiet_config())
+    threading.Timer(0.05, lambda: q.push(5, 1, 1)).start()
+    got = q.pop_batch(8, 1000, timeout=5.0)
+    assert got.admitted == [5]
+
+
+def test_deadline_on_python_monotonic_clock() -> None:
+    q = BatchQueue(quiet_config(batch_window_s=10.0))
+    assert q.push(1, 1, 1, 0, time.monotonic_ns() + 30 * MS) == PushStatus.ACCEPTED
+    got = q.pop_batch(8, 1000, timeout=2.0)
+    assert got.expired == [1]
+    assert got.admitted == []
+    assert got.reason == ReleaseReason.EVICTED
+
+
+def test_statuses_and_stats() -> None:
+    q = BatchQueue(quiet_config(capacity=2), ManualClock())
+    assert q.push(1, 1, 1) == PushStatus.ACCEPTED
+    assert q.push(1, 1, 1) == PushStatus.DUPLICATE_ID
+    assert q.push(2, 1, 1) == PushStatus.ACCEPTED
+    assert q.push(3, 1, 1) == PushStatus.QUEUE_FULL
+    assert q.cancel(2)
+    q.close()
+    assert q.push(4, 1, 1) == PushStatus.CLOSED
+    got = q.pop_batch(8, 1000, timeout=1.0)
+    assert got.reason == ReleaseReason.CLOSED
+    assert got.admitted == [1]
+    assert got.cancelled == [2]
+    s = q.stats()
+    assert (s.accepted, s.rejected_duplicate, s.rejected_full, s.rejected_closed, s.cancelled) == (
+        2, 1, 1, 1, 1)
+    assert s.released["closed"] == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((-1, 1, 1, 0, 0), "id must be"),
+        ((1, -1, 1, 0, 0), "prompt_tokens"),
+        ((1, 1, -1, 0, 0), "max_new_tokens"),
+        ((1, 1, 1, 7, 0), "priority must be in"),
+        ((1, 1, 1, -1, 0), "priority must be in"),
+        ((1, 1, 1, 0, -5), "deadline"),
+        ((1, 1 << 50, 1, 0, 0), "prompt_tokens"),
+        ((1, 2_000_000, 1, 0, 0), "more than max_batch_tokens"),
+        ((1 << 70, 1, 1, 0, 0), "takes integers"),
+        ((1, 1, 1, 1 << 40, 0), "takes integers"),
+        (("x", 1, 1, 0, 0), "takes integers"),
+        ((1, 1.5, 1, 0, 0), "takes integers"),
+        ((1, None, 1, 0, 0), "takes integers"),
+    ],
+)
+def test_bad_push_values_raise_value_error(args: tuple[object, ...], message: str) -> None:
+    q = BatchQueue(quiet_config(), ManualClock())
+    with pytest.raises(ValueError, match=message):
+        q.push(*args)  # type: ignore[arg-type]
+    assert q.push(1, 1, 1) == PushStatus.ACCEPTED  # still usable
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"priority_levels": 0}, "priority_levels"),
+        ({"bucket_bounds": [10, 10]}, "ascending"),
+        ({"capacity": 0}, "capacity"),
+        ({"level_capacity": [1]}, "one entry per priority level"),
+        ({"max_wait_s": -1.0}, "must be >= 0"),
+    ],
+)
+def test_bad_config_raises_value_error(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BatchQueue(quiet_config(**kw))
+
+
+def test_bad_timeout_raises_value_error() -> None:
+    q = BatchQueue(quiet_config())
+    with pytest.raises(ValueError, match="timeout"):
+        q.pop_batch(1, 1, timeout=float("nan"))
+    with pytest.raises(ValueError, match="timeout"):
+        q.pop_batch(1, 1, timeout=-1.0)
+
+
+@pytest.mark.parametrize("aging_ms", [0, 5])
+def test_same_order_as_the_python_reference(aging_ms: int) -> None:
+    rng = random.Random(aging_ms + 11)
+    bounds = [32, 128, 512]
+    clock = ManualClock(1_000 * MS)
+    core = BatchQueue(
+        quiet_config(priority_levels=3, bucket_bounds=bounds, aging_interval_s=aging_ms / 1e3,
+                     capacity=100_000),
+        clock,
+    )
+    ref = ReferenceQueue(3, bounds, aging_ms * MS)
+    next_id = 0
+    for _ in range(300):
+        for _ in range(rng.randint(0, 20)):
+            prompt, new, prio = rng.randint(1, 1000), rng.randint(1, 64), rng.randint(0, 2)
+            assert core.push(next_id, prompt, new, prio) == PushStatus.ACCEPTED
+            ref.push(next_id, prompt, new, prio, clock.now_ns())
+            next_id += 1
+        clock.advance_ns(rng.randint(0, 3) * MS)
+        max_req, max_tok = rng.randint(1, 16), rng.randint(50, 5000)
+        expected = ref.pop_batch(max_req, max_tok, clock.now_ns())
+        assert core.pop_batch(max_req, max_tok).admitted == expected
+    assert len(core) == len(ref)
