@@ -146,6 +146,7 @@ PYBIND11_MODULE(_core, m) {
       .def("__len__", &BatchQueue::size)
       .def("now_ns", &BatchQueue::now_ns)
       .def("bucket_of", &BatchQueue::bucket_of)
+      .def_property_readonly("config", [](const BatchQueue& q) { return q.config(); })
       .def_property_readonly("closed", &BatchQueue::closed);
 
   m.def("push_status_name", [](PushStatus s) { return to_string(s); });

@@ -1,0 +1,174 @@
+"""The `streambatch` command: serve, generate, info, model pull.
+
+Every flag can also come from the environment as STREAMBATCH_<FLAG> (dashes as underscores),
+e.g. STREAMBATCH_PORT=50052 or STREAMBATCH_MAX_NUM_SEQS=16; a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _env_default(name: str, default: Any) -> Any:
+    return os.environ.get("STREAMBATCH_" + name.upper().replace("-", "_"), default)
+
+
+def _bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
+    if isinstance(text, tuple):
+        return text
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _add(p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any,
+         help: str) -> None:
+    p.add_argument(flag, type=type, default=_env_default(flag.lstrip("-"), default), help=help)
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve a model over gRPC")
+    _add(p, "--model", str, "", "local Hugging Face folder or hub id (default: embedded SmolLM2)")
+    _add(p, "--host", str, "127.0.0.1", "address to listen on")
+    _add(p, "--port", int, 50051, "gRPC port")
+    _add(p, "--dtype", str, "bfloat16", "engine dtype")
+    _add(p, "--max-model-len", int, 2048, "context length")
+    _add(p, "--max-num-seqs", int, 32, "sequences the engine runs at once")
+    _add(p, "--max-num-batched-tokens", int, 0, "engine token budget per step (0: vLLM default)")
+    _add(p, "--enable-prefix-caching", _bool, True, "reuse KV of shared prompt prefixes")
+    _add(p, "--kv-cache-gib", int, 1, "KV cache size on the CPU (VLLM_CPU_KVCACHE_SPACE)")
+    _add(p, "--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for vLLM (GPU only)")
+    _add(p, "--tensor-parallel-size", int, 1, "vLLM tensor parallelism")
+    _add(p, "--pipeline-parallel-size", int, 1, "vLLM pipeline parallelism")
+    _add(p, "--enforce-eager", _bool, True, "no torch.compile / CUDA graphs (fast start)")
+    _add(p, "--engine-process", str, "inproc", "inproc (engine in this process) or separate")
+    _add(p, "--priority-levels", int, 2, "priority levels (0 normal .. N-1 most urgent)")
+    _add(p, "--queue-capacity", int, 1024, "waiting requests before RESOURCE_EXHAUSTED")
+    _add(p, "--bucket-bounds", _ints, (), "prompt-length bucket bounds, e.g. 64,256,1024")
+    _add(p, "--batch-window-ms", float, 0.0, "hold the first arrival this long to gather a batch")
+    _add(p, "--max-wait-ms", float, 0.0, "release when the oldest waited this long (0: off)")
+    _add(p, "--aging-interval-ms", float, 2000.0, "promote a waiting request one level per interval")
+    _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
+    _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
+    _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
+    _add(p, "--drain-grace-s", float, 30.0, "on SIGTERM, how long in-flight calls may finish")
+    _add(p, "--reflection", _bool, True, "serve gRPC reflection (for grpcurl)")
+    _add(p, "--log-level", str, "INFO", "logging level")
+
+
+def _client_parser(sub: Any) -> None:
+    g = sub.add_parser("generate", help="stream a completion to the terminal")
+    g.add_argument("prompt", help="the user message (chat-templated unless --raw)")
+    _add(g, "--target", str, DEFAULT_TARGET, "server address")
+    _add(g, "--max-tokens", int, 128, "tokens to generate")
+    _add(g, "--temperature", float, 0.7, "sampling temperature (0: greedy)")
+    _add(g, "--top-p", float, 1.0, "nucleus sampling")
+    _add(g, "--priority", int, 0, "0 normal, 1 high")
+    _add(g, "--timeout", float, 60.0, "call deadline in seconds")
+    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
+    i = sub.add_parser("info", help="print server info and load")
+    _add(i, "--target", str, DEFAULT_TARGET, "server address")
+    m = sub.add_parser("model", help="manage the embedded default model")
+    msub = m.add_subparsers(dest="model_cmd", required=True)
+    pull = msub.add_parser("pull", help="download and convert the default model (idempotent)")
+    _add(pull, "--cache-dir", str, "", "cache root (default: $STREAMBATCH_CACHE_DIR or ~/.cache/streambatch)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streambatch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _serve_parser(sub)
+    _client_parser(sub)
+    return parser
+
+
+def _prepare_engine_env(args: argparse.Namespace) -> None:
+    """vLLM reads these at import time, so they are set before anything imports it."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if args.engine_process not in ("inproc", "separate"):
+        raise SystemExit("--engine-process must be inproc or separate")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING",
+                          "0" if args.engine_process == "inproc" else "1")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = args.model
+    if not model:
+        from pyserver.model import default_model_dir, is_converted, pull_default_model
+
+        model = str(default_model_dir() if is_converted(default_model_dir()) else pull_default_model())
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    elif Path(model).is_dir():
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _prepare_engine_env(args)
+
+    from pyserver.engine import EngineOptions
+    from pyserver.service.server import ServerSettings, StreambatchServer
+
+    settings = ServerSettings(
+        engine=EngineOptions(
+            model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or None,
+            enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ),
+        host=args.host, port=args.port, priority_levels=args.priority_levels,
+        queue_capacity=args.queue_capacity, bucket_bounds=args.bucket_bounds,
+        batch_window_s=args.batch_window_ms / 1e3, max_wait_s=args.max_wait_ms / 1e3,
+        aging_interval_s=args.aging_interval_ms / 1e3, max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit, max_message_bytes=args.max_message_bytes,
+        drain_grace_s=args.drain_grace_s, reflection=args.reflection,
+    )
+
+    async def run() -> int:
+        server = StreambatchServer(settings)
+        server.install_signal_handlers()
+        await server.start()
+        return await server.wait()
+
+    return asyncio.run(run())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "serve":
+        return _serve(args)
+    if args.cmd == "model":
+        from pyserver.model import pull_default_model
+
+        logging.basicConfig(level="INFO", format="%(message)s")
+        print(pull_default_model(Path(args.cache_dir) if args.cache_dir else None))
+        return 0
+    from pyserver.service import client
+
+    if args.cmd == "generate":
+        return client.generate(args)
+    return client.info(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

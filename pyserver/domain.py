@@ -1,0 +1,115 @@
+"""Plain request/response types shared by the service and the engine worker (no vLLM, no pb2)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+
+class ErrorKind(enum.Enum):
+    """Why a request ended without completing; the service maps each to a gRPC status."""
+
+    INVALID = "invalid"
+    OVERLOADED = "overloaded"
+    DEADLINE = "deadline"
+    CANCELLED = "cancelled"
+    UNAVAILABLE = "unavailable"
+
+
+class RequestError(Exception):
+    def __init__(self, kind: ErrorKind, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclass(slots=True, frozen=True)
+class Sampling:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output since the last delivery. Deltas merge when the reader is slower than the engine."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" on the last delta
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    error: RequestError | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def merge(self, later: Delta) -> None:
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        for name in ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+                     "queue_ms", "ttft_ms", "total_ms", "error"):
+            value = getattr(later, name)
+            if value:
+                setattr(self, name, value)
+
+
+class Mailbox:
+    """A single-slot, merging collector for one request's output (lives on the event loop).
+
+    The worker's deltas for a step arrive in one loop callback; a slow reader finds them merged
+    into one pending Delta, so memory per request stays bounded by the text itself, never by the
+    number of steps.
+    """
+
+    __slots__ = ("_event", "_pending")
+
+    def __init__(self) -> None:
+        self._pending: Delta | None = None
+        self._event = asyncio.Event()
+
+    def put(self, delta: Delta) -> None:
+        if self._pending is None:
+            self._pending = delta
+        elif not self._pending.final:
+            self._pending.merge(delta)
+        self._event.set()
+
+    async def get(self) -> Delta:
+        await self._event.wait()
+        self._event.clear()
+        delta, self._pending = self._pending, None
+        assert delta is not None
+        return delta
+
+
+@dataclass(slots=True)
+class WorkItem:
+    """One accepted request as the worker sees it."""
+
+    handle: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    priority: int
+    deadline_ns: int  # absolute, time.monotonic_ns(); 0 = none
+    accepted_ns: int
+    mailbox: Mailbox
+    admitted_ns: int = 0
+    first_token_ns: int = 0
+    completion_tokens: int = 0

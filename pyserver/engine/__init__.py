@@ -1,0 +1,7 @@
+"""The engine worker: the only package that imports vllm."""
+
+from __future__ import annotations
+
+from pyserver.engine.worker import EngineOptions, EngineStats, EngineWorker, build_engine
+
+__all__ = ["EngineOptions", "EngineStats", "EngineWorker", "build_engine"]

@@ -1,0 +1,328 @@
+"""The engine worker: one thread that owns vLLM's LLMEngine and runs its step loop.
+
+Each iteration: apply aborts, admit from the C++ BatchQueue what the engine has room for (free
+sequence slots under the admitted-concurrency limit, KV tokens), step the engine once, publish
+that step's deltas to the event loop in one callback, retire finished, expired and cancelled
+requests. The only module that imports vllm.
+
+Failure policy: an exception from the engine fails every queued and in-flight request with
+UNAVAILABLE, closes the queue and sets `failed`; the server then turns health NOT_SERVING and
+exits non-zero so its supervisor (systemd, Kubernetes, compose `restart:`) starts a fresh
+process. Restarting vLLM inside a process that just saw it fail is not reliably clean (device
+memory, worker processes), so we do not try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyserver.batching import BatchQueue, PushStatus, QueueConfig
+from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    """Engine arguments passed through to vLLM's EngineArgs."""
+
+    model: str
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    steps: int = 0
+    requests_added: int = 0
+    max_batch_seen: int = 0
+
+
+def build_engine(options: EngineOptions) -> Any:
+    from vllm import EngineArgs, LLMEngine
+
+    kwargs: dict[str, Any] = dict(
+        model=options.model,
+        dtype=options.dtype,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        enable_prefix_caching=options.enable_prefix_caching,
+        enforce_eager=options.enforce_eager,
+        tensor_parallel_size=options.tensor_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        scheduling_policy="priority",
+        seed=options.seed,
+    )
+    if options.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = options.max_num_batched_tokens
+    if options.kv_cache_memory_bytes:
+        kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
+    kwargs.update(options.extra)
+    return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return f"vllm {vllm.__version__}"
+
+
+def _sampling_params(s: Sampling) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else -1 if s.top_k < 0 else 0,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        ignore_eos=s.ignore_eos,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_tokens=s.min_tokens,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+class EngineWorker:
+    """Owns the engine thread. Thread-safe entry points: submit(), cancel(), stats, close()."""
+
+    def __init__(self, engine: Any, queue_config: QueueConfig, loop: asyncio.AbstractEventLoop,
+                 *, step_hook: Callable[[], None] | None = None) -> None:
+        self._engine = engine
+        self._loop = loop
+        self.queue = BatchQueue(queue_config)
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len: int = engine.model_config.max_model_len
+        self.max_num_seqs: int = engine.vllm_config.scheduler_config.max_num_seqs
+        self.vocab_size: int = engine.model_config.get_vocab_size()
+        cache = engine.vllm_config.cache_config
+        self.kv_capacity_tokens: int = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        self.concurrency_limit = self.max_num_seqs
+        self.engine_version = _vllm_version()
+        self.stats = EngineStats()
+        self.failed: BaseException | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None
+        self._step_hook = step_hook  # test-only fault injection; None in production
+        self._items: dict[int, WorkItem] = {}  # every accepted, unfinished request
+        self._running: dict[int, WorkItem] = {}  # in the engine (worker thread only)
+        self._reserved_tokens = 0  # prompt + max_tokens of running requests
+        self._mean_request_s = 1.0  # EWMA of admitted -> finished, for retry hints
+        self._aborts: list[int] = []
+        self._aborts_lock = threading.Lock()
+        self._next_handle = 1
+        self._handle_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+
+    # ---- called from the event loop -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def new_handle(self) -> int:
+        with self._handle_lock:
+            handle = self._next_handle
+            self._next_handle += 1
+            return handle
+
+    def submit(self, item: WorkItem, *, queue_deadline_ns: int = 0) -> None:
+        """Queue the request or raise RequestError (overloaded / unavailable).
+
+        queue_deadline_ns bounds the wait for admission; item.deadline_ns bounds the whole call.
+        """
+        if self.failed is not None:
+            raise RequestError(ErrorKind.UNAVAILABLE, "the engine has failed; retry on another replica")
+        self._items[item.handle] = item
+        cost = len(item.prompt_token_ids) + item.sampling.max_tokens
+        status = self.queue.push(item.handle, len(item.prompt_token_ids), item.sampling.max_tokens,
+                                 item.priority, queue_deadline_ns)
+        if status == PushStatus.ACCEPTED:
+            return
+        del self._items[item.handle]
+        if status == PushStatus.QUEUE_FULL:
+            raise RequestError(ErrorKind.OVERLOADED, "the request queue is full; retry later",
+                               retry_after_ms=self.retry_after_ms())
+        if status == PushStatus.CLOSED:
+            raise RequestError(ErrorKind.UNAVAILABLE, "the server is shutting down")
+        raise RequestError(ErrorKind.INVALID, f"request rejected by the queue ({cost} tokens)")
+
+    def cancel(self, handle: int) -> None:
+        """The client went away: drop it from the queue, or abort it in the engine next step."""
+        if self.queue.cancel(handle):
+            return
+        with self._aborts_lock:
+            self._aborts.append(handle)
+
+    def retry_after_ms(self) -> int:
+        """A hint for RESOURCE_EXHAUSTED: the time the engine needs to work through the queue
+        at its current concurrency, from the measured mean request duration."""
+        waiting = self.queue.size()
+        estimate = waiting / max(1, self.concurrency_limit) * self._mean_request_s * 1e3
+        return int(min(30_000, max(100, estimate)))
+
+    def close(self) -> None:
+        """Stop admitting new work; queued and running requests still finish."""
+        self.queue.close()
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- the worker thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._apply_aborts()
+                self._admit()
+                if self._running:
+                    self._step()
+                elif self.queue.closed and self.queue.size() == 0:
+                    return
+        except BaseException as exc:  # the engine is gone: fail everyone, let the server exit
+            log.exception("engine worker failed")
+            self.failed = exc
+            self.queue.close()
+            self._fail_all(f"engine failure: {type(exc).__name__}")
+            if self.on_failure is not None:
+                self._loop.call_soon_threadsafe(self.on_failure, exc)
+
+    def _apply_aborts(self) -> None:
+        if not self._aborts:
+            return
+        with self._aborts_lock:
+            handles, self._aborts = self._aborts, []
+        live = [h for h in handles if h in self._running]
+        if live:
+            self._engine.abort_request([str(h) for h in live])
+        for h in live:
+            item = self._retire(h)
+            self._deliver([(item.mailbox, Delta(error=RequestError(ErrorKind.CANCELLED, "cancelled by the client")))])
+
+    def _admit(self) -> None:
+        free = self.concurrency_limit - len(self._running)
+        timeout = 0.0 if self._running else _IDLE_WAIT_S
+        room = (self.kv_capacity_tokens - self._reserved_tokens) if self.kv_capacity_tokens else 1 << 40
+        if free <= 0 or room <= 0:
+            free, room = 0, 0  # still reap expiries and cancellations
+            timeout = 0.0 if self._running else _IDLE_WAIT_S
+        result = self.queue.pop_batch(free, room, timeout)
+        out: list[tuple[Mailbox, Delta]] = []
+        for h in result.expired:
+            if (gone := self._items.pop(h, None)) is not None:
+                out.append((gone.mailbox, Delta(error=RequestError(
+                    ErrorKind.DEADLINE, "deadline passed while queued; the request never ran"))))
+        for h in result.cancelled:
+            if (gone := self._items.pop(h, None)) is not None:
+                out.append((gone.mailbox, Delta(error=RequestError(
+                    ErrorKind.CANCELLED, "cancelled while queued"))))
+        now = time.monotonic_ns()
+        for h in result.admitted:
+            item = self._items.get(h)
+            if item is None:
+                continue
+            item.admitted_ns = now
+            self._engine.add_request(str(h), {"prompt_token_ids": item.prompt_token_ids},
+                                     _sampling_params(item.sampling), priority=-item.priority)
+            self._running[h] = item
+            self._reserved_tokens += len(item.prompt_token_ids) + item.sampling.max_tokens
+            self.stats.requests_added += 1
+        if out:
+            self._deliver(out)
+
+    def _step(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook()
+        outputs = self._engine.step()
+        self.stats.steps += 1
+        now = time.monotonic_ns()
+        batch = len(self._running)
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
+        out: list[tuple[Mailbox, Delta]] = []
+        for o in outputs:
+            h = int(o.request_id)
+            item = self._running.get(h)
+            if item is None:
+                continue
+            c = o.outputs[0]
+            if not item.first_token_ns and c.token_ids:
+                item.first_token_ns = now
+            item.completion_tokens += len(c.token_ids)
+            delta = Delta(text=c.text, token_ids=list(c.token_ids))
+            if o.finished:
+                delta.finish_reason = "length" if c.finish_reason == "length" else "stop"
+                self._fill_usage(delta, item, now, len(o.prompt_token_ids or ()),
+                                 int(o.num_cached_tokens or 0))
+                self._mean_request_s += 0.1 * ((now - item.admitted_ns) / 1e9 - self._mean_request_s)
+                self._retire(h)
+            out.append((item.mailbox, delta))
+        out.extend(self._expire_running(now))
+        self.stats.running = len(self._running)
+        if self.kv_capacity_tokens:
+            self.stats.kv_cache_usage = self._reserved_tokens / self.kv_capacity_tokens
+        if out:
+            self._deliver(out)
+
+    def _expire_running(self, now: int) -> list[tuple[Mailbox, Delta]]:
+        late = [h for h, it in self._running.items() if it.deadline_ns and it.deadline_ns <= now]
+        if not late:
+            return []
+        self._engine.abort_request([str(h) for h in late])
+        err = RequestError(ErrorKind.DEADLINE, "deadline passed during generation")
+        return [(self._retire(h).mailbox, Delta(error=err)) for h in late]
+
+    def _retire(self, handle: int) -> WorkItem:
+        item = self._running.pop(handle)
+        self._items.pop(handle, None)
+        self._reserved_tokens -= len(item.prompt_token_ids) + item.sampling.max_tokens
+        return item
+
+    @staticmethod
+    def _fill_usage(delta: Delta, item: WorkItem, now: int, prompt_tokens: int, cached: int) -> None:
+        delta.prompt_tokens = prompt_tokens or len(item.prompt_token_ids)
+        delta.completion_tokens = item.completion_tokens
+        delta.cached_tokens = cached
+        delta.queue_ms = (item.admitted_ns - item.accepted_ns) / 1e6
+        delta.ttft_ms = ((item.first_token_ns or now) - item.accepted_ns) / 1e6
+        delta.total_ms = (now - item.accepted_ns) / 1e6
+
+    def _fail_all(self, message: str) -> None:
+        err = RequestError(ErrorKind.UNAVAILABLE, message)
+        victims = list(self._items.values())
+        self._items.clear()
+        self._running.clear()
+        self._reserved_tokens = 0
+        self._deliver([(item.mailbox, Delta(error=err)) for item in victims])
+
+    def _deliver(self, out: list[tuple[Mailbox, Delta]]) -> None:
+        """One event-loop hop per step, whatever the batch size."""
+        self._loop.call_soon_threadsafe(_publish, out)
+
+
+def _publish(out: list[tuple[Mailbox, Delta]]) -> None:
+    for box, delta in out:
+        box.put(delta)

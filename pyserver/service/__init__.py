@@ -1,0 +1,1 @@
+"""gRPC service: the only package that imports generated protobuf code."""

@@ -1,0 +1,55 @@
+"""Client side of the CLI: `streambatch generate` and `streambatch info`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from google.protobuf import json_format
+from streambatch.v1 import generation_pb2 as pb
+from streambatch.v1 import generation_pb2_grpc as pb_grpc
+
+
+def generate(args: argparse.Namespace) -> int:
+    if args.raw:
+        request = pb.GenerateRequest(text=args.prompt)
+    else:
+        request = pb.GenerateRequest(chat=pb.ChatPrompt(
+            messages=[pb.ChatMessage(role="user", content=args.prompt)]))
+    request.sampling.max_tokens = args.max_tokens
+    request.sampling.temperature = args.temperature
+    request.sampling.top_p = args.top_p
+    request.priority = args.priority
+    with grpc.insecure_channel(args.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            last = None
+            for msg in stub.Generate(request, timeout=args.timeout):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                last = msg
+        except grpc.RpcError as err:
+            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    if last is not None:
+        t, u = last.timings, last.usage
+        print(f"[{pb.FinishReason.Name(last.finish_reason)}; {u.prompt_tokens} prompt + "
+              f"{u.completion_tokens} completion tokens; ttft {t.ttft_ms:.0f} ms, "
+              f"total {t.total_ms:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def info(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+            load = stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    print(json_format.MessageToJson(server, indent=2))
+    print(json_format.MessageToJson(load, indent=2, always_print_fields_with_no_presence=True))
+    return 0

@@ -1,0 +1,180 @@
+"""Proto <-> domain conversion and request validation. Every error names the field to fix."""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from streambatch.v1 import generation_pb2 as pb
+
+from pyserver.domain import Delta, ErrorKind, RequestError, Sampling
+
+DEFAULT_MAX_TOKENS = 256
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+_ROLES = ("system", "user", "assistant")
+_MAX_STOP = 8
+_MAX_STOP_CHARS = 256
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    priority_levels: int
+    max_prompt_tokens: int
+    max_tokens_limit: int
+    max_prompt_chars: int  # checked before tokenizing, so a huge prompt costs nothing
+
+
+def invalid(field: str, problem: str) -> RequestError:
+    return RequestError(ErrorKind.INVALID, f"{field}: {problem}")
+
+
+def request_id_of(request: pb.GenerateRequest, metadata_id: str | None) -> str:
+    rid = request.request_id or metadata_id or ""
+    if not rid:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.match(rid):
+        raise invalid("request_id", "must be 1..128 printable ASCII characters without spaces")
+    return rid
+
+
+def _finite(field: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if not math.isfinite(value):
+        raise invalid(field, f"must be a finite number, got {value}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise invalid(field, f"must be in {bracket}{lo:g}, {hi:g}], got {value:g}")
+    return value
+
+
+def sampling_of(s: pb.SamplingParams, prompt_tokens: int, limits: Limits) -> Sampling:
+    room = limits.max_model_len - prompt_tokens
+    if s.max_tokens == 0:
+        max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens_limit, room)
+    elif s.max_tokens > limits.max_tokens_limit:
+        raise invalid("sampling.max_tokens",
+                      f"must be at most {limits.max_tokens_limit}, got {s.max_tokens}")
+    else:
+        max_tokens = s.max_tokens
+    if max_tokens > room or max_tokens < 1:
+        raise invalid("prompt", f"the prompt is {prompt_tokens} tokens; with max_tokens {max(max_tokens, 1)} "
+                      f"it exceeds the model's maximum length of {limits.max_model_len} tokens")
+    if len(s.stop) > _MAX_STOP:
+        raise invalid("sampling.stop", f"at most {_MAX_STOP} stop strings, got {len(s.stop)}")
+    for i, stop in enumerate(s.stop):
+        if not 1 <= len(stop) <= _MAX_STOP_CHARS:
+            raise invalid(f"sampling.stop[{i}]", f"must be 1..{_MAX_STOP_CHARS} characters")
+    top_k = s.top_k if s.HasField("top_k") else 0
+    if top_k < -1 or top_k > limits.vocab_size:
+        raise invalid("sampling.top_k", f"must be -1 or 0 (off) or 1..{limits.vocab_size}, got {top_k}")
+    if s.min_tokens > max_tokens:
+        raise invalid("sampling.min_tokens", f"must not exceed max_tokens ({max_tokens})")
+    if s.HasField("seed") and s.seed >= 2**63:
+        raise invalid("sampling.seed", "must be below 2^63")
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=_finite("sampling.temperature", s.temperature, 0.0, 10.0)
+        if s.HasField("temperature") else 1.0,
+        top_p=_finite("sampling.top_p", s.top_p, 0.0, 1.0, lo_open=True)
+        if s.HasField("top_p") else 1.0,
+        top_k=top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+        repetition_penalty=_finite("sampling.repetition_penalty", s.repetition_penalty, 0.0, 10.0,
+                                   lo_open=True) if s.HasField("repetition_penalty") else 1.0,
+        presence_penalty=_finite("sampling.presence_penalty", s.presence_penalty, -2.0, 2.0)
+        if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=_finite("sampling.frequency_penalty", s.frequency_penalty, -2.0, 2.0)
+        if s.HasField("frequency_penalty") else 0.0,
+        min_tokens=s.min_tokens,
+    )
+
+
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise invalid("prompt", "set one of text, token_ids or chat")
+    if kind == "text":
+        if not request.text:
+            raise invalid("prompt.text", "must not be empty")
+        if len(request.text) > limits.max_prompt_chars:
+            raise invalid("prompt.text", f"is {len(request.text)} characters, more than the "
+                          f"{limits.max_prompt_chars} this server accepts")
+        ids = list(tokenizer.encode(request.text))
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise invalid("prompt.token_ids", "must not be empty")
+        bad = next((t for t in ids if t >= limits.vocab_size), None)
+        if bad is not None:
+            raise invalid("prompt.token_ids",
+                          f"id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})")
+    else:
+        ids = _chat_ids(request.chat, tokenizer, limits)
+    if len(ids) > limits.max_prompt_tokens:
+        raise invalid("prompt", f"the prompt is {len(ids)} tokens, more than the "
+                      f"{limits.max_prompt_tokens} this server accepts")
+    return ids
+
+
+def _chat_ids(chat: pb.ChatPrompt, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+    if not chat.messages:
+        raise invalid("prompt.chat.messages", "must hold at least one message")
+    total = 0
+    for i, m in enumerate(chat.messages):
+        if m.role not in _ROLES:
+            raise invalid(f"prompt.chat.messages[{i}].role",
+                          f"must be one of {', '.join(_ROLES)}, got {m.role!r}")
+        total += len(m.content)
+    if total > limits.max_prompt_chars:
+        raise invalid("prompt.chat", f"is {total} characters, more than the "
+                      f"{limits.max_prompt_chars} this server accepts")
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    rendered = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in chat.messages],
+        tokenize=False, add_generation_prompt=add,
+    )
+    return list(tokenizer.encode(str(rendered), add_special_tokens=False))
+
+
+def priority_of(request: pb.GenerateRequest, limits: Limits) -> int:
+    if request.priority >= limits.priority_levels:
+        raise invalid("priority", f"must be 0..{limits.priority_levels - 1}, got {request.priority}")
+    return request.priority
+
+
+def usage_of(d: Delta) -> pb.Usage:
+    return pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
+                    cached_prompt_tokens=d.cached_tokens)
+
+
+def timings_of(d: Delta) -> pb.Timings:
+    return pb.Timings(queue_ms=d.queue_ms, ttft_ms=d.ttft_ms, total_ms=d.total_ms)
+
+
+def stream_message(request_id: str, d: Delta) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=request_id, text=d.text, token_ids=d.token_ids)
+    if d.finish_reason is not None:
+        msg.finish_reason = _FINISH.get(d.finish_reason, pb.FINISH_REASON_STOP)
+        msg.usage.CopyFrom(usage_of(d))
+        msg.timings.CopyFrom(timings_of(d))
+    return msg
+
+
+def complete_message(request_id: str, text: str, tokens: list[int], last: Delta) -> pb.CompleteResponse:
+    return pb.CompleteResponse(
+        request_id=request_id, text=text, tokens=tokens, latency_ms=last.total_ms,
+        finish_reason=_FINISH.get(last.finish_reason or "stop", pb.FINISH_REASON_STOP),
+        usage=usage_of(last), timings=timings_of(last),
+    )

@@ -1,0 +1,196 @@
+"""Server assembly and lifecycle: gRPC aio server, health, reflection, engine start, drain.
+
+Lifecycle: the gRPC port opens first with health NOT_SERVING (calls get UNAVAILABLE) while the
+engine loads; then health turns SERVING. On SIGTERM/SIGINT: health NOT_SERVING, new calls
+UNAVAILABLE, the queue closes (queued and running requests still finish), and the process exits
+0 once in-flight calls are done or the grace period ends. If the engine fails, in-flight calls
+end UNAVAILABLE and the process exits 1 for its supervisor to restart it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from streambatch.v1 import generation_pb2 as pb
+from streambatch.v1 import generation_pb2_grpc as pb_grpc
+
+from pyserver.batching import make_config
+from pyserver.engine import EngineOptions, EngineWorker, build_engine
+from pyserver.service.convert import Limits
+from pyserver.service.servicer import GenerationServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    engine: EngineOptions
+    host: str = "127.0.0.1"
+    port: int = 50051
+    priority_levels: int = 2
+    queue_capacity: int = 1024
+    bucket_bounds: tuple[int, ...] = ()
+    batch_window_s: float = 0.0
+    max_wait_s: float = 0.0
+    aging_interval_s: float = 2.0
+    max_prompt_tokens: int = 0  # 0: max_model_len - 1
+    max_tokens_limit: int = 0  # 0: max_model_len - 1
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_concurrent_streams: int = 1024
+    drain_grace_s: float = 30.0
+    reflection: bool = True
+    extra_options: dict[str, Any] = field(default_factory=dict)
+
+
+class StreambatchServer:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.health = HealthServicer()
+        self.worker: EngineWorker | None = None
+        self.servicer: GenerationServicer | None = None
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+        self.exit_code = 0
+        self._draining = False
+
+    async def start(self, *, engine: Any | None = None) -> None:
+        """Open the port, then load the engine (off the loop) and turn SERVING."""
+        s = self.settings
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.max_concurrent_streams", s.max_concurrent_streams),
+        ])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        if s.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME), self._server)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _NOT_SERVING)
+        self.port = self._server.add_insecure_port(f"{s.host}:{s.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {s.host}:{s.port}")
+        # The servicer is registered before the engine exists so calls during start get a clear
+        # UNAVAILABLE instead of UNIMPLEMENTED.
+        self._starting = _StartingServicer()
+        pb_grpc.add_GenerationServicer_to_server(self._starting, self._server)
+        await self._server.start()
+        log.info("listening on %s:%d; loading the engine", s.host, self.port)
+
+        loop = asyncio.get_running_loop()
+        if engine is None:
+            engine = await loop.run_in_executor(None, build_engine, s.engine)
+        self.worker = EngineWorker(engine, self._queue_config(), loop)
+        self.worker.on_failure = self._on_engine_failure
+        limits = self._limits(self.worker)
+        self.servicer = GenerationServicer(self.worker, limits, s.engine.model)
+        self._starting.target = self.servicer
+        self.worker.start()
+        self.servicer.serving = True
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _SERVING)
+        log.info("serving %s on %s:%d", s.engine.model, s.host, self.port)
+
+    def _queue_config(self) -> Any:
+        s = self.settings
+        return make_config(
+            priority_levels=s.priority_levels, capacity=s.queue_capacity,
+            bucket_bounds=s.bucket_bounds, max_batch_requests=s.engine.max_num_seqs,
+            max_batch_tokens=1 << 40, batch_window_s=s.batch_window_s, max_wait_s=s.max_wait_s,
+            aging_interval_s=s.aging_interval_s,
+        )
+
+    def _limits(self, worker: EngineWorker) -> Limits:
+        s = self.settings
+        longest = worker.max_model_len - 1
+        return Limits(
+            max_model_len=worker.max_model_len,
+            vocab_size=worker.vocab_size,
+            priority_levels=s.priority_levels,
+            max_prompt_tokens=min(s.max_prompt_tokens or longest, longest),
+            max_tokens_limit=min(s.max_tokens_limit or longest, longest),
+            max_prompt_chars=max(worker.max_model_len * 32, 4096),
+        )
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
+
+    async def drain(self) -> None:
+        """Graceful stop: refuse new calls, let in-flight ones finish within the grace period."""
+        if self._draining:
+            return
+        self._draining = True
+        log.info("draining: health NOT_SERVING, refusing new calls")
+        await self.health.enter_graceful_shutdown()
+        grace = self.settings.drain_grace_s
+        if self.servicer is not None and self.worker is not None:
+            self.servicer.serving = False
+            self.worker.close()
+            try:
+                await asyncio.wait_for(self.servicer.idle.wait(), grace)
+            except asyncio.TimeoutError:
+                log.warning("grace period over with %d calls in flight", self.servicer.in_flight)
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        if self.worker is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.worker.join, 5.0)
+        self._stopped.set()
+
+    def _on_engine_failure(self, exc: BaseException) -> None:
+        log.error("engine failed (%s); exiting for the supervisor to restart", exc)
+        self.exit_code = 1
+        asyncio.ensure_future(self.drain())
+
+    async def wait(self) -> int:
+        await self._stopped.wait()
+        return self.exit_code
+
+
+class _StartingServicer(pb_grpc.GenerationServicer):
+    """Forwards to the real servicer once the engine is up; UNAVAILABLE before that."""
+
+    def __init__(self) -> None:
+        self.target: GenerationServicer | None = None
+
+    async def _starting(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting; retry shortly")
+
+    async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if self.target is None:
+            await self._starting(context)
+        assert self.target is not None
+        async for msg in self.target.Generate(request, context):
+            yield msg
+
+    async def Complete(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if self.target is None:
+            await self._starting(context)
+        assert self.target is not None
+        return await self.target.Complete(request, context)
+
+    async def GetServerInfo(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if self.target is None:
+            await self._starting(context)
+        assert self.target is not None
+        return await self.target.GetServerInfo(request, context)
+
+    async def GetLoad(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if self.target is None:
+            return pb.Load(serving=False)
+        return await self.target.GetLoad(request, context)
