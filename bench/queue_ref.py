@@ -35,7 +35,9 @@ class ReferenceQueue:
         ]
         self._seq = 0
 
-    def push(self, id: int, prompt_tokens: int, max_new_tokens: int, priority: int, now_ns: int) -> None:
+    def push(
+        self, id: int, prompt_tokens: int, max_new_tokens: int, priority: int, now_ns: int
+    ) -> None:
         bucket = bisect.bisect_left(self._bounds, prompt_tokens)
         entry = _Entry(id, prompt_tokens + max_new_tokens, priority, bucket, now_ns, self._seq)
         heapq.heappush(self._heaps[priority * self._buckets + bucket], (self._seq, entry))

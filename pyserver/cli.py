@@ -38,8 +38,9 @@ def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def _add(p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any,
-         help: str) -> None:
+def _add(
+    p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any, help: str
+) -> None:
     p.add_argument(flag, type=type, default=_env_default(flag.lstrip("-"), default), help=help)
 
 
@@ -48,7 +49,13 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--model", str, "", "local Hugging Face folder or hub id (default: embedded SmolLM2)")
     _add(p, "--host", str, "127.0.0.1", "address to listen on")
     _add(p, "--port", int, 50051, "gRPC port")
-    _add(p, "--dtype", str, "auto", "engine dtype (auto: bf16 where the CPU has it natively, else fp32)")
+    _add(
+        p,
+        "--dtype",
+        str,
+        "auto",
+        "engine dtype (auto: bf16 where the CPU has it natively, else fp32)",
+    )
     _add(p, "--max-model-len", int, 2048, "context length")
     _add(p, "--max-num-seqs", int, 32, "sequences the engine runs at once")
     _add(p, "--max-num-batched-tokens", int, 0, "engine token budget per step (0: vLLM default)")
@@ -64,7 +71,9 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--bucket-bounds", _ints, (), "prompt-length bucket bounds, e.g. 64,256,1024")
     _add(p, "--batch-window-ms", float, 0.0, "hold the first arrival this long to gather a batch")
     _add(p, "--max-wait-ms", float, 0.0, "release when the oldest waited this long (0: off)")
-    _add(p, "--aging-interval-ms", float, 2000.0, "promote a waiting request one level per interval")
+    _add(
+        p, "--aging-interval-ms", float, 2000.0, "promote a waiting request one level per interval"
+    )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
@@ -82,18 +91,29 @@ def _client_parser(sub: Any) -> None:
     _add(g, "--top-p", float, 1.0, "nucleus sampling")
     _add(g, "--priority", int, 0, "0 normal, 1 high")
     _add(g, "--timeout", float, 60.0, "call deadline in seconds")
-    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
+    g.add_argument(
+        "--raw", action="store_true", help="send the prompt as raw text, no chat template"
+    )
     i = sub.add_parser("info", help="print server info and load")
     _add(i, "--target", str, DEFAULT_TARGET, "server address")
     m = sub.add_parser("model", help="manage the embedded default model")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     pull = msub.add_parser("pull", help="download and convert the default model (idempotent)")
-    _add(pull, "--cache-dir", str, "", "cache root (default: $STREAMBATCH_CACHE_DIR or ~/.cache/streambatch)")
+    _add(
+        pull,
+        "--cache-dir",
+        str,
+        "",
+        "cache root (default: $STREAMBATCH_CACHE_DIR or ~/.cache/streambatch)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="streambatch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="streambatch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     _serve_parser(sub)
     _client_parser(sub)
@@ -106,18 +126,22 @@ def _prepare_engine_env(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if args.engine_process not in ("inproc", "separate"):
         raise SystemExit("--engine-process must be inproc or separate")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING",
-                          "0" if args.engine_process == "inproc" else "1")
+    os.environ.setdefault(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "0" if args.engine_process == "inproc" else "1"
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     model = args.model
     if not model:
         from pyserver.model import default_model_dir, is_converted, pull_default_model
 
-        model = str(default_model_dir() if is_converted(default_model_dir()) else pull_default_model())
+        model = str(
+            default_model_dir() if is_converted(default_model_dir()) else pull_default_model()
+        )
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     elif Path(model).is_dir():
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -128,20 +152,30 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = ServerSettings(
         engine=EngineOptions(
-            model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+            model=model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or None,
-            enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
         ),
-        host=args.host, port=args.port, priority_levels=args.priority_levels,
-        queue_capacity=args.queue_capacity, bucket_bounds=args.bucket_bounds,
-        batch_window_s=args.batch_window_ms / 1e3, max_wait_s=args.max_wait_ms / 1e3,
-        aging_interval_s=args.aging_interval_ms / 1e3, max_prompt_tokens=args.max_prompt_tokens,
-        max_tokens_limit=args.max_tokens_limit, max_message_bytes=args.max_message_bytes,
-        drain_grace_s=args.drain_grace_s, reflection=args.reflection,
+        host=args.host,
+        port=args.port,
+        priority_levels=args.priority_levels,
+        queue_capacity=args.queue_capacity,
+        bucket_bounds=args.bucket_bounds,
+        batch_window_s=args.batch_window_ms / 1e3,
+        max_wait_s=args.max_wait_ms / 1e3,
+        aging_interval_s=args.aging_interval_ms / 1e3,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_message_bytes=args.max_message_bytes,
+        drain_grace_s=args.drain_grace_s,
+        reflection=args.reflection,
     )
 
     async def run() -> int:

@@ -42,7 +42,7 @@ class Sampling:
 
 @dataclass(slots=True)
 class Delta:
-    """New output since the last delivery. Deltas merge when the reader is slower than the engine."""
+    """New output since the last delivery; deltas merge when the reader lags the engine."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -62,8 +62,16 @@ class Delta:
     def merge(self, later: Delta) -> None:
         self.text += later.text
         self.token_ids.extend(later.token_ids)
-        for name in ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-                     "queue_ms", "ttft_ms", "total_ms", "error"):
+        for name in (
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "queue_ms",
+            "ttft_ms",
+            "total_ms",
+            "error",
+        ):
             value = getattr(later, name)
             if value:
                 setattr(self, name, value)

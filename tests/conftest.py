@@ -44,7 +44,9 @@ def live_server() -> Iterator[LiveServer]:
 
     settings = ServerSettings(
         engine=EngineOptions(model=str(pull_default_model()), max_num_seqs=ENGINE_SEQS),
-        port=0, queue_capacity=QUEUE_CAPACITY, aging_interval_s=60.0,
+        port=0,
+        queue_capacity=QUEUE_CAPACITY,
+        aging_interval_s=60.0,
     )
     server = StreambatchServer(settings)
     loop = asyncio.new_event_loop()

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pyserver.batching import BatchQueue, PushStatus, QueueConfig
@@ -69,7 +70,7 @@ def resolve_dtype(dtype: str) -> str:
     if torch.cuda.is_available():
         return "auto"
     try:
-        flags = open("/proc/cpuinfo").read()
+        flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "float32"
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
@@ -128,8 +129,14 @@ def _sampling_params(s: Sampling) -> Any:
 class EngineWorker:
     """Owns the engine thread. Thread-safe entry points: submit(), cancel(), stats, close()."""
 
-    def __init__(self, engine: Any, queue_config: QueueConfig, loop: asyncio.AbstractEventLoop,
-                 *, step_hook: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        queue_config: QueueConfig,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        step_hook: Callable[[], None] | None = None,
+    ) -> None:
         self._engine = engine
         self._loop = loop
         self.queue = BatchQueue(queue_config)
@@ -172,17 +179,27 @@ class EngineWorker:
         queue_deadline_ns bounds the wait for admission; item.deadline_ns bounds the whole call.
         """
         if self.failed is not None:
-            raise RequestError(ErrorKind.UNAVAILABLE, "the engine has failed; retry on another replica")
+            raise RequestError(
+                ErrorKind.UNAVAILABLE, "the engine has failed; retry on another replica"
+            )
         self._items[item.handle] = item
         cost = len(item.prompt_token_ids) + item.sampling.max_tokens
-        status = self.queue.push(item.handle, len(item.prompt_token_ids), item.sampling.max_tokens,
-                                 item.priority, queue_deadline_ns)
+        status = self.queue.push(
+            item.handle,
+            len(item.prompt_token_ids),
+            item.sampling.max_tokens,
+            item.priority,
+            queue_deadline_ns,
+        )
         if status == PushStatus.ACCEPTED:
             return
         del self._items[item.handle]
         if status == PushStatus.QUEUE_FULL:
-            raise RequestError(ErrorKind.OVERLOADED, "the request queue is full; retry later",
-                               retry_after_ms=self.retry_after_ms())
+            raise RequestError(
+                ErrorKind.OVERLOADED,
+                "the request queue is full; retry later",
+                retry_after_ms=self.retry_after_ms(),
+            )
         if status == PushStatus.CLOSED:
             raise RequestError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         raise RequestError(ErrorKind.INVALID, f"request rejected by the queue ({cost} tokens)")
@@ -238,12 +255,23 @@ class EngineWorker:
             self._engine.abort_request([str(h) for h in live])
         for h in live:
             item = self._retire(h)
-            self._deliver([(item.mailbox, Delta(error=RequestError(ErrorKind.CANCELLED, "cancelled by the client")))])
+            self._deliver(
+                [
+                    (
+                        item.mailbox,
+                        Delta(error=RequestError(ErrorKind.CANCELLED, "cancelled by the client")),
+                    )
+                ]
+            )
 
     def _admit(self) -> None:
         free = self.concurrency_limit - len(self._running)
         timeout = 0.0 if self._running else _IDLE_WAIT_S
-        room = (self.kv_capacity_tokens - self._reserved_tokens) if self.kv_capacity_tokens else 1 << 40
+        room = (
+            (self.kv_capacity_tokens - self._reserved_tokens)
+            if self.kv_capacity_tokens
+            else 1 << 40
+        )
         if free <= 0 or room <= 0:
             free, room = 0, 0  # still reap expiries and cancellations
             timeout = 0.0 if self._running else _IDLE_WAIT_S
@@ -251,20 +279,37 @@ class EngineWorker:
         out: list[tuple[Mailbox, Delta]] = []
         for h in result.expired:
             if (gone := self._items.pop(h, None)) is not None:
-                out.append((gone.mailbox, Delta(error=RequestError(
-                    ErrorKind.DEADLINE, "deadline passed while queued; the request never ran"))))
+                out.append(
+                    (
+                        gone.mailbox,
+                        Delta(
+                            error=RequestError(
+                                ErrorKind.DEADLINE,
+                                "deadline passed while queued; the request never ran",
+                            )
+                        ),
+                    )
+                )
         for h in result.cancelled:
             if (gone := self._items.pop(h, None)) is not None:
-                out.append((gone.mailbox, Delta(error=RequestError(
-                    ErrorKind.CANCELLED, "cancelled while queued"))))
+                out.append(
+                    (
+                        gone.mailbox,
+                        Delta(error=RequestError(ErrorKind.CANCELLED, "cancelled while queued")),
+                    )
+                )
         now = time.monotonic_ns()
         for h in result.admitted:
             item = self._items.get(h)
             if item is None:
                 continue
             item.admitted_ns = now
-            self._engine.add_request(str(h), {"prompt_token_ids": item.prompt_token_ids},
-                                     _sampling_params(item.sampling), priority=-item.priority)
+            self._engine.add_request(
+                str(h),
+                {"prompt_token_ids": item.prompt_token_ids},
+                _sampling_params(item.sampling),
+                priority=-item.priority,
+            )
             self._running[h] = item
             self._reserved_tokens += len(item.prompt_token_ids) + item.sampling.max_tokens
             self.stats.requests_added += 1
@@ -292,9 +337,12 @@ class EngineWorker:
             delta = Delta(text=c.text, token_ids=list(c.token_ids))
             if o.finished:
                 delta.finish_reason = "length" if c.finish_reason == "length" else "stop"
-                self._fill_usage(delta, item, now, len(o.prompt_token_ids or ()),
-                                 int(o.num_cached_tokens or 0))
-                self._mean_request_s += 0.1 * ((now - item.admitted_ns) / 1e9 - self._mean_request_s)
+                self._fill_usage(
+                    delta, item, now, len(o.prompt_token_ids or ()), int(o.num_cached_tokens or 0)
+                )
+                self._mean_request_s += 0.1 * (
+                    (now - item.admitted_ns) / 1e9 - self._mean_request_s
+                )
                 self._retire(h)
             out.append((item.mailbox, delta))
         out.extend(self._expire_running(now))
@@ -319,7 +367,9 @@ class EngineWorker:
         return item
 
     @staticmethod
-    def _fill_usage(delta: Delta, item: WorkItem, now: int, prompt_tokens: int, cached: int) -> None:
+    def _fill_usage(
+        delta: Delta, item: WorkItem, now: int, prompt_tokens: int, cached: int
+    ) -> None:
         delta.prompt_tokens = prompt_tokens or len(item.prompt_token_ids)
         delta.completion_tokens = item.completion_tokens
         delta.cached_tokens = cached

@@ -15,8 +15,9 @@ def generate(args: argparse.Namespace) -> int:
     if args.raw:
         request = pb.GenerateRequest(text=args.prompt)
     else:
-        request = pb.GenerateRequest(chat=pb.ChatPrompt(
-            messages=[pb.ChatMessage(role="user", content=args.prompt)]))
+        request = pb.GenerateRequest(
+            chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=args.prompt)])
+        )
     request.sampling.max_tokens = args.max_tokens
     request.sampling.temperature = args.temperature
     request.sampling.top_p = args.top_p
@@ -35,9 +36,12 @@ def generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if last is not None:
         t, u = last.timings, last.usage
-        print(f"[{pb.FinishReason.Name(last.finish_reason)}; {u.prompt_tokens} prompt + "
-              f"{u.completion_tokens} completion tokens; ttft {t.ttft_ms:.0f} ms, "
-              f"total {t.total_ms:.0f} ms]", file=sys.stderr)
+        print(
+            f"[{pb.FinishReason.Name(last.finish_reason)}; {u.prompt_tokens} prompt + "
+            f"{u.completion_tokens} completion tokens; ttft {t.ttft_ms:.0f} ms, "
+            f"total {t.total_ms:.0f} ms]",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -62,13 +62,17 @@ def sampling_of(s: pb.SamplingParams, prompt_tokens: int, limits: Limits) -> Sam
     if s.max_tokens == 0:
         max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens_limit, room)
     elif s.max_tokens > limits.max_tokens_limit:
-        raise invalid("sampling.max_tokens",
-                      f"must be at most {limits.max_tokens_limit}, got {s.max_tokens}")
+        raise invalid(
+            "sampling.max_tokens", f"must be at most {limits.max_tokens_limit}, got {s.max_tokens}"
+        )
     else:
         max_tokens = s.max_tokens
     if max_tokens > room or max_tokens < 1:
-        raise invalid("prompt", f"the prompt is {prompt_tokens} tokens; with max_tokens {max(max_tokens, 1)} "
-                      f"it exceeds the model's maximum length of {limits.max_model_len} tokens")
+        raise invalid(
+            "prompt",
+            f"the prompt is {prompt_tokens} tokens; with max_tokens {max(max_tokens, 1)} "
+            f"it exceeds the model's maximum length of {limits.max_model_len} tokens",
+        )
     if len(s.stop) > _MAX_STOP:
         raise invalid("sampling.stop", f"at most {_MAX_STOP} stop strings, got {len(s.stop)}")
     for i, stop in enumerate(s.stop):
@@ -76,7 +80,9 @@ def sampling_of(s: pb.SamplingParams, prompt_tokens: int, limits: Limits) -> Sam
             raise invalid(f"sampling.stop[{i}]", f"must be 1..{_MAX_STOP_CHARS} characters")
     top_k = s.top_k if s.HasField("top_k") else 0
     if top_k < -1 or top_k > limits.vocab_size:
-        raise invalid("sampling.top_k", f"must be -1 or 0 (off) or 1..{limits.vocab_size}, got {top_k}")
+        raise invalid(
+            "sampling.top_k", f"must be -1 or 0 (off) or 1..{limits.vocab_size}, got {top_k}"
+        )
     if s.min_tokens > max_tokens:
         raise invalid("sampling.min_tokens", f"must not exceed max_tokens ({max_tokens})")
     if s.HasField("seed") and s.seed >= 2**63:
@@ -84,24 +90,33 @@ def sampling_of(s: pb.SamplingParams, prompt_tokens: int, limits: Limits) -> Sam
     return Sampling(
         max_tokens=max_tokens,
         temperature=_finite("sampling.temperature", s.temperature, 0.0, 10.0)
-        if s.HasField("temperature") else 1.0,
+        if s.HasField("temperature")
+        else 1.0,
         top_p=_finite("sampling.top_p", s.top_p, 0.0, 1.0, lo_open=True)
-        if s.HasField("top_p") else 1.0,
+        if s.HasField("top_p")
+        else 1.0,
         top_k=top_k,
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(s.stop),
         ignore_eos=s.ignore_eos,
-        repetition_penalty=_finite("sampling.repetition_penalty", s.repetition_penalty, 0.0, 10.0,
-                                   lo_open=True) if s.HasField("repetition_penalty") else 1.0,
+        repetition_penalty=_finite(
+            "sampling.repetition_penalty", s.repetition_penalty, 0.0, 10.0, lo_open=True
+        )
+        if s.HasField("repetition_penalty")
+        else 1.0,
         presence_penalty=_finite("sampling.presence_penalty", s.presence_penalty, -2.0, 2.0)
-        if s.HasField("presence_penalty") else 0.0,
+        if s.HasField("presence_penalty")
+        else 0.0,
         frequency_penalty=_finite("sampling.frequency_penalty", s.frequency_penalty, -2.0, 2.0)
-        if s.HasField("frequency_penalty") else 0.0,
+        if s.HasField("frequency_penalty")
+        else 0.0,
         min_tokens=s.min_tokens,
     )
 
 
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+def prompt_token_ids(
+    request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits
+) -> list[int]:
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise invalid("prompt", "set one of text, token_ids or chat")
@@ -109,8 +124,11 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: 
         if not request.text:
             raise invalid("prompt.text", "must not be empty")
         if len(request.text) > limits.max_prompt_chars:
-            raise invalid("prompt.text", f"is {len(request.text)} characters, more than the "
-                          f"{limits.max_prompt_chars} this server accepts")
+            raise invalid(
+                "prompt.text",
+                f"is {len(request.text)} characters, more than the "
+                f"{limits.max_prompt_chars} this server accepts",
+            )
         ids = list(tokenizer.encode(request.text))
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
@@ -118,13 +136,18 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: 
             raise invalid("prompt.token_ids", "must not be empty")
         bad = next((t for t in ids if t >= limits.vocab_size), None)
         if bad is not None:
-            raise invalid("prompt.token_ids",
-                          f"id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})")
+            raise invalid(
+                "prompt.token_ids",
+                f"id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})",
+            )
     else:
         ids = _chat_ids(request.chat, tokenizer, limits)
     if len(ids) > limits.max_prompt_tokens:
-        raise invalid("prompt", f"the prompt is {len(ids)} tokens, more than the "
-                      f"{limits.max_prompt_tokens} this server accepts")
+        raise invalid(
+            "prompt",
+            f"the prompt is {len(ids)} tokens, more than the "
+            f"{limits.max_prompt_tokens} this server accepts",
+        )
     return ids
 
 
@@ -134,29 +157,39 @@ def _chat_ids(chat: pb.ChatPrompt, tokenizer: Tokenizer, limits: Limits) -> list
     total = 0
     for i, m in enumerate(chat.messages):
         if m.role not in _ROLES:
-            raise invalid(f"prompt.chat.messages[{i}].role",
-                          f"must be one of {', '.join(_ROLES)}, got {m.role!r}")
+            raise invalid(
+                f"prompt.chat.messages[{i}].role",
+                f"must be one of {', '.join(_ROLES)}, got {m.role!r}",
+            )
         total += len(m.content)
     if total > limits.max_prompt_chars:
-        raise invalid("prompt.chat", f"is {total} characters, more than the "
-                      f"{limits.max_prompt_chars} this server accepts")
+        raise invalid(
+            "prompt.chat",
+            f"is {total} characters, more than the {limits.max_prompt_chars} this server accepts",
+        )
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     rendered = tokenizer.apply_chat_template(
         [{"role": m.role, "content": m.content} for m in chat.messages],
-        tokenize=False, add_generation_prompt=add,
+        tokenize=False,
+        add_generation_prompt=add,
     )
     return list(tokenizer.encode(str(rendered), add_special_tokens=False))
 
 
 def priority_of(request: pb.GenerateRequest, limits: Limits) -> int:
     if request.priority >= limits.priority_levels:
-        raise invalid("priority", f"must be 0..{limits.priority_levels - 1}, got {request.priority}")
+        raise invalid(
+            "priority", f"must be 0..{limits.priority_levels - 1}, got {request.priority}"
+        )
     return request.priority
 
 
 def usage_of(d: Delta) -> pb.Usage:
-    return pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
-                    cached_prompt_tokens=d.cached_tokens)
+    return pb.Usage(
+        prompt_tokens=d.prompt_tokens,
+        completion_tokens=d.completion_tokens,
+        cached_prompt_tokens=d.cached_tokens,
+    )
 
 
 def timings_of(d: Delta) -> pb.Timings:
@@ -172,9 +205,15 @@ def stream_message(request_id: str, d: Delta) -> pb.GenerateResponse:
     return msg
 
 
-def complete_message(request_id: str, text: str, tokens: list[int], last: Delta) -> pb.CompleteResponse:
+def complete_message(
+    request_id: str, text: str, tokens: list[int], last: Delta
+) -> pb.CompleteResponse:
     return pb.CompleteResponse(
-        request_id=request_id, text=text, tokens=tokens, latency_ms=last.total_ms,
+        request_id=request_id,
+        text=text,
+        tokens=tokens,
+        latency_ms=last.total_ms,
         finish_reason=_FINISH.get(last.finish_reason or "stop", pb.FINISH_REASON_STOP),
-        usage=usage_of(last), timings=timings_of(last),
+        usage=usage_of(last),
+        timings=timings_of(last),
     )

@@ -65,20 +65,28 @@ class StreambatchServer:
         self._stopped = asyncio.Event()
         self.exit_code = 0
         self._draining = False
+        self._drain_task: asyncio.Future[None] | None = None
 
     async def start(self, *, engine: Any | None = None) -> None:
         """Open the port, then load the engine (off the loop) and turn SERVING."""
         s = self.settings
-        self._server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", s.max_message_bytes),
-            ("grpc.max_send_message_length", s.max_message_bytes),
-            ("grpc.max_concurrent_streams", s.max_concurrent_streams),
-        ])
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", s.max_message_bytes),
+                ("grpc.max_send_message_length", s.max_message_bytes),
+                ("grpc.max_concurrent_streams", s.max_concurrent_streams),
+            ]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if s.reflection:
             reflection.enable_server_reflection(
-                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME), self._server)
+                (
+                    SERVICE_NAME,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ),
+                self._server,
+            )
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _NOT_SERVING)
         self.port = self._server.add_insecure_port(f"{s.host}:{s.port}")
@@ -108,9 +116,13 @@ class StreambatchServer:
     def _queue_config(self) -> Any:
         s = self.settings
         return make_config(
-            priority_levels=s.priority_levels, capacity=s.queue_capacity,
-            bucket_bounds=s.bucket_bounds, max_batch_requests=s.engine.max_num_seqs,
-            max_batch_tokens=1 << 40, batch_window_s=s.batch_window_s, max_wait_s=s.max_wait_s,
+            priority_levels=s.priority_levels,
+            capacity=s.queue_capacity,
+            bucket_bounds=s.bucket_bounds,
+            max_batch_requests=s.engine.max_num_seqs,
+            max_batch_tokens=1 << 40,
+            batch_window_s=s.batch_window_s,
+            max_wait_s=s.max_wait_s,
             aging_interval_s=s.aging_interval_s,
         )
 
@@ -129,7 +141,10 @@ class StreambatchServer:
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
+            loop.add_signal_handler(sig, self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self.drain())
 
     async def drain(self) -> None:
         """Graceful stop: refuse new calls, let in-flight ones finish within the grace period."""
@@ -155,7 +170,7 @@ class StreambatchServer:
     def _on_engine_failure(self, exc: BaseException) -> None:
         log.error("engine failed (%s); exiting for the supervisor to restart", exc)
         self.exit_code = 1
-        asyncio.ensure_future(self.drain())
+        self._start_drain()
 
     async def wait(self) -> int:
         await self._stopped.wait()
@@ -171,26 +186,26 @@ class _StartingServicer(pb_grpc.GenerationServicer):
     async def _starting(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting; retry shortly")
 
-    async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802
+    async def Generate(self, request: Any, context: Any) -> Any:
         if self.target is None:
             await self._starting(context)
         assert self.target is not None
         async for msg in self.target.Generate(request, context):
             yield msg
 
-    async def Complete(self, request: Any, context: Any) -> Any:  # noqa: N802
+    async def Complete(self, request: Any, context: Any) -> Any:
         if self.target is None:
             await self._starting(context)
         assert self.target is not None
         return await self.target.Complete(request, context)
 
-    async def GetServerInfo(self, request: Any, context: Any) -> Any:  # noqa: N802
+    async def GetServerInfo(self, request: Any, context: Any) -> Any:
         if self.target is None:
             await self._starting(context)
         assert self.target is not None
         return await self.target.GetServerInfo(request, context)
 
-    async def GetLoad(self, request: Any, context: Any) -> Any:  # noqa: N802
+    async def GetLoad(self, request: Any, context: Any) -> Any:
         if self.target is None:
             return pb.Load(serving=False)
         return await self.target.GetLoad(request, context)

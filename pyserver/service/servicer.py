@@ -43,7 +43,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ---- RPCs ----------------------------------------------------------------------------
 
-    async def Generate(  # noqa: N802 (gRPC method name)
+    async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         item = await self._accept(request, context)
@@ -61,7 +61,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             self._release(item, finished)
 
-    async def Complete(  # noqa: N802
+    async def Complete(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CompleteResponse:
         item = await self._accept(request, context)
@@ -82,20 +82,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             self._release(item, finished)
 
-    async def GetServerInfo(  # noqa: N802
+    async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ServerInfo:
         cfg = self._worker.queue.config
         return pb.ServerInfo(
-            model=self._model_name, max_model_len=self._limits.max_model_len,
+            model=self._model_name,
+            max_model_len=self._limits.max_model_len,
             max_prompt_tokens=self._limits.max_prompt_tokens,
             max_tokens_limit=self._limits.max_tokens_limit,
-            priority_levels=self._limits.priority_levels, queue_capacity=cfg.capacity,
-            max_num_seqs=self._worker.max_num_seqs, version=__version__,
+            priority_levels=self._limits.priority_levels,
+            queue_capacity=cfg.capacity,
+            max_num_seqs=self._worker.max_num_seqs,
+            version=__version__,
             engine=self._worker.engine_version,
         )
 
-    async def GetLoad(  # noqa: N802
+    async def GetLoad(
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.Load:
         return self.load()
@@ -112,14 +115,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ---- helpers -------------------------------------------------------------------------
 
-    async def _accept(self, request: pb.GenerateRequest,
-                      context: grpc.aio.ServicerContext[Any, Any]) -> WorkItem:
+    async def _accept(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> WorkItem:
         accepted_ns = time.monotonic_ns()
         metadata = dict(context.invocation_metadata() or ())
         try:
             if not self.serving:
-                raise RequestError(ErrorKind.UNAVAILABLE, "the server is starting or draining; "
-                                   "retry on another replica")
+                raise RequestError(
+                    ErrorKind.UNAVAILABLE,
+                    "the server is starting or draining; retry on another replica",
+                )
             request_id = convert.request_id_of(request, _text(metadata.get("x-request-id")))
             await context.send_initial_metadata((("x-request-id", request_id),))
             priority = convert.priority_of(request, self._limits)
@@ -132,9 +138,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 limit = accepted_ns + request.queue_timeout_ms * 1_000_000
                 queue_deadline = min(queue_deadline, limit) if queue_deadline else limit
             item = WorkItem(
-                handle=self._worker.new_handle(), request_id=request_id, prompt_token_ids=ids,
-                sampling=sampling, priority=priority, deadline_ns=deadline_ns,
-                accepted_ns=accepted_ns, mailbox=Mailbox(),
+                handle=self._worker.new_handle(),
+                request_id=request_id,
+                prompt_token_ids=ids,
+                sampling=sampling,
+                priority=priority,
+                deadline_ns=deadline_ns,
+                accepted_ns=accepted_ns,
+                mailbox=Mailbox(),
             )
             self._worker.submit(item, queue_deadline_ns=queue_deadline)
         except RequestError as err:
@@ -150,7 +161,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if size <= _INLINE_TOKENIZE_CHARS:
             return convert.prompt_token_ids(request, tok, self._limits)
         return await asyncio.get_running_loop().run_in_executor(
-            None, convert.prompt_token_ids, request, tok, self._limits)
+            None, convert.prompt_token_ids, request, tok, self._limits
+        )
 
     def _release(self, item: WorkItem, finished: bool) -> None:
         if not finished:  # the client went away or the call was cancelled mid-stream
@@ -162,12 +174,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _fail(self, context: grpc.aio.ServicerContext[Any, Any], err: RequestError) -> None:
         if err.kind is ErrorKind.OVERLOADED:
             load = self.load()
-            context.set_trailing_metadata((
-                ("retry-after-ms", str(err.retry_after_ms or 1000)),
-                ("load", json.dumps({"queued": list(load.queued_by_priority),
-                                     "running": load.running,
-                                     "concurrency_limit": load.concurrency_limit})),
-            ))
+            context.set_trailing_metadata(
+                (
+                    ("retry-after-ms", str(err.retry_after_ms or 1000)),
+                    (
+                        "load",
+                        json.dumps(
+                            {
+                                "queued": list(load.queued_by_priority),
+                                "running": load.running,
+                                "concurrency_limit": load.concurrency_limit,
+                            }
+                        ),
+                    ),
+                )
+            )
         await context.abort(STATUS[err.kind], err.message)
 
 

@@ -14,9 +14,15 @@ def stub(target: str) -> pb_grpc.GenerationStub:
     return pb_grpc.GenerationStub(grpc.insecure_channel(target))
 
 
-def request(text: str = "Tell me a story about a dragon.", *, max_tokens: int = 16,
-            temperature: float = 0.0, ignore_eos: bool = False, priority: int = 0,
-            chat: bool = True) -> pb.GenerateRequest:
+def request(
+    text: str = "Tell me a story about a dragon.",
+    *,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+    priority: int = 0,
+    chat: bool = True,
+) -> pb.GenerateRequest:
     req = pb.GenerateRequest(priority=priority)
     if chat:
         req.chat.messages.add(role="user", content=text)
@@ -46,8 +52,9 @@ class StreamResult:
         return self.sent_at + self.last.timings.queue_ms / 1e3
 
 
-def run_stream(s: pb_grpc.GenerationStub, req: pb.GenerateRequest,
-               timeout: float = 120.0) -> StreamResult:
+def run_stream(
+    s: pb_grpc.GenerationStub, req: pb.GenerateRequest, timeout: float = 120.0
+) -> StreamResult:
     result = StreamResult(sent_at=time.monotonic())
     call = s.Generate(req, timeout=timeout)
     try:

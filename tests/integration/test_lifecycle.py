@@ -28,7 +28,11 @@ def free_port() -> int:
 def health_status(target: str) -> int | None:
     with grpc.insecure_channel(target) as ch:
         try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            return (
+                health_pb2_grpc.HealthStub(ch)
+                .Check(health_pb2.HealthCheckRequest(), timeout=2)
+                .status
+            )
         except grpc.RpcError:
             return None
 
@@ -38,9 +42,24 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server) -> None:  
     port = free_port()
     target = f"127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pyserver.cli", "serve", "--port", str(port), "--max-num-seqs", "4",
-         "--drain-grace-s", "60", "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+        [
+            sys.executable,
+            "-m",
+            "pyserver.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "4",
+            "--drain-grace-s",
+            "60",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
     )
     try:
         seen_not_serving = False
@@ -59,9 +78,14 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server) -> None:  
 
         s = stub(target)
         results = []
-        streams = [threading.Thread(target=lambda i=i: results.append(
-            run_stream(s, request(f"Story {i}", max_tokens=40, ignore_eos=True))))
-            for i in range(3)]
+        streams = [
+            threading.Thread(
+                target=lambda i=i: results.append(
+                    run_stream(s, request(f"Story {i}", max_tokens=40, ignore_eos=True))
+                )
+            )
+            for i in range(3)
+        ]
         for t in streams:
             t.start()
         time.sleep(1.0)  # the streams are in flight

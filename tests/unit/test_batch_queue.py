@@ -13,7 +13,7 @@ import pytest
 from pyserver.batching import BatchQueue, ManualClock, PushStatus, ReleaseReason, make_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from queue_ref import ReferenceQueue  # noqa: E402
+from queue_ref import ReferenceQueue
 
 MS = 1_000_000
 
@@ -88,7 +88,12 @@ def test_statuses_and_stats() -> None:
     assert got.cancelled == [2]
     s = q.stats()
     assert (s.accepted, s.rejected_duplicate, s.rejected_full, s.rejected_closed, s.cancelled) == (
-        2, 1, 1, 1, 1)
+        2,
+        1,
+        1,
+        1,
+        1,
+    )
     assert s.released["closed"] == 1
 
 
@@ -146,8 +151,12 @@ def test_same_order_as_the_python_reference(aging_ms: int) -> None:
     bounds = [32, 128, 512]
     clock = ManualClock(1_000 * MS)
     core = BatchQueue(
-        quiet_config(priority_levels=3, bucket_bounds=bounds, aging_interval_s=aging_ms / 1e3,
-                     capacity=100_000),
+        quiet_config(
+            priority_levels=3,
+            bucket_bounds=bounds,
+            aging_interval_s=aging_ms / 1e3,
+            capacity=100_000,
+        ),
         clock,
     )
     ref = ReferenceQueue(3, bounds, aging_ms * MS)
