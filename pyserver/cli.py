@@ -79,6 +79,10 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
     _add(p, "--drain-grace-s", float, 30.0, "on SIGTERM, how long in-flight calls may finish")
     _add(p, "--reflection", _bool, True, "serve gRPC reflection (for grpcurl)")
+    _add(p, "--tracing", str, "off", "off, console or otlp (configured by the OTEL_* variables)")
+    _add(p, "--record-content", _bool, False, "put prompts and completions in spans")
+    _add(p, "--metrics-host", str, "127.0.0.1", "Prometheus endpoint address")
+    _add(p, "--metrics-port", int, 9400, "Prometheus endpoint port (-1: off)")
     _add(p, "--log-level", str, "INFO", "logging level")
 
 
@@ -175,6 +179,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_message_bytes=args.max_message_bytes,
         drain_grace_s=args.drain_grace_s,
+        tracing=args.tracing,
+        record_content=args.record_content,
+        metrics_host=args.metrics_host,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         reflection=args.reflection,
     )
 

@@ -120,4 +120,6 @@ class WorkItem:
     mailbox: Mailbox
     admitted_ns: int = 0
     first_token_ns: int = 0
+    last_token_ns: int = 0
+    finished_ns: int = 0
     completion_tokens: int = 0

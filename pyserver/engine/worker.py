@@ -25,6 +25,7 @@ from typing import Any
 
 from pyserver.batching import BatchQueue, PushStatus, QueueConfig
 from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
+from pyserver.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,11 @@ class EngineWorker:
         queue_config: QueueConfig,
         loop: asyncio.AbstractEventLoop,
         *,
+        metrics: Metrics | None = None,
         step_hook: Callable[[], None] | None = None,
     ) -> None:
         self._engine = engine
+        self._metrics = metrics or Metrics()
         self._loop = loop
         self.queue = BatchQueue(queue_config)
         self.tokenizer = engine.get_tokenizer()
@@ -240,6 +243,7 @@ class EngineWorker:
         except BaseException as exc:  # the engine is gone: fail everyone, let the server exit
             log.exception("engine worker failed")
             self.failed = exc
+            self._metrics.engine_failures.inc()
             self.queue.close()
             self._fail_all(f"engine failure: {type(exc).__name__}")
             if self.on_failure is not None:
@@ -277,6 +281,8 @@ class EngineWorker:
             timeout = 0.0 if self._running else _IDLE_WAIT_S
         result = self.queue.pop_batch(free, room, timeout)
         out: list[tuple[Mailbox, Delta]] = []
+        if result.expired:
+            self._metrics.expiries.labels("queue").inc(len(result.expired))
         for h in result.expired:
             if (gone := self._items.pop(h, None)) is not None:
                 out.append(
@@ -313,17 +319,23 @@ class EngineWorker:
             self._running[h] = item
             self._reserved_tokens += len(item.prompt_token_ids) + item.sampling.max_tokens
             self.stats.requests_added += 1
+            self._metrics.prompt_tokens.inc(len(item.prompt_token_ids))
         if out:
             self._deliver(out)
 
     def _step(self) -> None:
         if self._step_hook is not None:
             self._step_hook()
+        started = time.monotonic_ns()
         outputs = self._engine.step()
         self.stats.steps += 1
         now = time.monotonic_ns()
         batch = len(self._running)
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
+        m = self._metrics
+        m.batch_size.observe(batch)
+        m.step_seconds.observe((now - started) / 1e9)
+        generated = 0
         out: list[tuple[Mailbox, Delta]] = []
         for o in outputs:
             h = int(o.request_id)
@@ -331,9 +343,14 @@ class EngineWorker:
             if item is None:
                 continue
             c = o.outputs[0]
-            if not item.first_token_ns and c.token_ids:
-                item.first_token_ns = now
+            if c.token_ids:
+                if not item.first_token_ns:
+                    item.first_token_ns = now
+                else:
+                    m.itl_seconds.observe((now - item.last_token_ns) / 1e9 / len(c.token_ids))
+                item.last_token_ns = now
             item.completion_tokens += len(c.token_ids)
+            generated += len(c.token_ids)
             delta = Delta(text=c.text, token_ids=list(c.token_ids))
             if o.finished:
                 delta.finish_reason = "length" if c.finish_reason == "length" else "stop"
@@ -343,8 +360,10 @@ class EngineWorker:
                 self._mean_request_s += 0.1 * (
                     (now - item.admitted_ns) / 1e9 - self._mean_request_s
                 )
+                item.finished_ns = now
                 self._retire(h)
             out.append((item.mailbox, delta))
+        m.generated_tokens.inc(generated)
         out.extend(self._expire_running(now))
         self.stats.running = len(self._running)
         if self.kv_capacity_tokens:
@@ -357,6 +376,7 @@ class EngineWorker:
         if not late:
             return []
         self._engine.abort_request([str(h) for h in late])
+        self._metrics.expiries.labels("engine").inc(len(late))
         err = RequestError(ErrorKind.DEADLINE, "deadline passed during generation")
         return [(self._retire(h).mailbox, Delta(error=err)) for h in late]
 

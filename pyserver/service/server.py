@@ -26,6 +26,8 @@ from pyserver.batching import make_config
 from pyserver.engine import EngineOptions, EngineWorker, build_engine
 from pyserver.service.convert import Limits
 from pyserver.service.servicer import GenerationServicer
+from pyserver.telemetry.metrics import LoadSnapshot, Metrics
+from pyserver.telemetry.tracing import RequestTracer, make_tracer_provider
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +53,25 @@ class ServerSettings:
     max_concurrent_streams: int = 1024
     drain_grace_s: float = 30.0
     reflection: bool = True
+    tracing: str = "off"  # off | console | otlp (OTEL_* variables configure the exporter)
+    record_content: bool = False  # prompts/completions in spans: never unless asked
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 9400  # None: no metrics endpoint; 0: any free port
     extra_options: dict[str, Any] = field(default_factory=dict)
 
 
 class StreambatchServer:
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        tracer_provider: Any | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.settings = settings
+        self.tracer_provider = tracer_provider or make_tracer_provider(settings.tracing)
+        self.metrics = metrics or Metrics()
+        self.metrics_port = 0
         self.health = HealthServicer()
         self.worker: EngineWorker | None = None
         self.servicer: GenerationServicer | None = None
@@ -97,15 +112,22 @@ class StreambatchServer:
         self._starting = _StartingServicer()
         pb_grpc.add_GenerationServicer_to_server(self._starting, self._server)
         await self._server.start()
+        self.metrics.watch_load(self._load_snapshot)
+        if s.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(s.metrics_host, s.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", s.metrics_host, self.metrics_port)
         log.info("listening on %s:%d; loading the engine", s.host, self.port)
 
         loop = asyncio.get_running_loop()
         if engine is None:
             engine = await loop.run_in_executor(None, build_engine, s.engine)
-        self.worker = EngineWorker(engine, self._queue_config(), loop)
+        self.worker = EngineWorker(engine, self._queue_config(), loop, metrics=self.metrics)
         self.worker.on_failure = self._on_engine_failure
         limits = self._limits(self.worker)
-        self.servicer = GenerationServicer(self.worker, limits, s.engine.model)
+        tracer = RequestTracer(self.tracer_provider, record_content=s.record_content)
+        self.servicer = GenerationServicer(
+            self.worker, limits, s.engine.model, self.metrics, tracer
+        )
         self._starting.target = self.servicer
         self.worker.start()
         self.servicer.serving = True
@@ -138,6 +160,19 @@ class StreambatchServer:
             max_prompt_chars=max(worker.max_model_len * 32, 4096),
         )
 
+    def _load_snapshot(self) -> LoadSnapshot | None:
+        w = self.worker
+        if w is None:
+            return None
+        stats = w.queue.stats()
+        return LoadSnapshot(
+            queued_by_priority=[sum(level) for level in stats.depth],
+            running=w.stats.running,
+            kv_cache_usage=w.stats.kv_cache_usage,
+            concurrency_limit=w.concurrency_limit,
+            oldest_wait_s=stats.oldest_wait_ns / 1e9,
+        )
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -165,6 +200,8 @@ class StreambatchServer:
             await self._server.stop(grace=1.0)
         if self.worker is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.worker.join, 5.0)
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()  # flushes the batch span processors
         self._stopped.set()
 
     def _on_engine_failure(self, exc: BaseException) -> None:

@@ -1,0 +1,153 @@
+"""Prometheus metrics, all under the `streambatch_` prefix (docs/observability.md lists them).
+
+Per-step and per-request values are observed where they happen (the worker thread, the
+servicer); queue depth, running, KV usage and the concurrency limit are read at scrape time by a
+collector, so nothing is updated on the hot path just to be scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "streambatch"
+_LATENCY_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+)  # the seed's 50 ms .. 5 s, extended
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(slots=True)
+class LoadSnapshot:
+    queued_by_priority: list[int]
+    running: int
+    kv_cache_usage: float
+    concurrency_limit: int
+    oldest_wait_s: float
+
+
+class _LoadCollector(Collector):
+    def __init__(self, read: Callable[[], LoadSnapshot | None]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._read()
+        if snap is None:
+            return
+        queued = GaugeMetricFamily(
+            f"{PREFIX}_queue_length", "Requests waiting in the batch queue", labels=["priority"]
+        )
+        for level, n in enumerate(snap.queued_by_priority):
+            queued.add_metric([str(level)], n)
+        yield queued
+        yield GaugeMetricFamily(
+            f"{PREFIX}_waiting_requests",
+            "Requests waiting, all levels",
+            value=sum(snap.queued_by_priority),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_running_requests", "Requests in the engine", value=snap.running
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_usage_ratio",
+            "KV cache reserved by running requests (prompt + max_tokens), 0..1",
+            value=snap.kv_cache_usage,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_concurrency_limit",
+            "Admitted-concurrency limit the worker fills",
+            value=snap.concurrency_limit,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_queue_oldest_wait_seconds",
+            "Wait of the oldest queued request",
+            value=snap.oldest_wait_s,
+        )
+
+
+class Metrics:
+    """The registry and every metric; injected into the worker and the servicer."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.batch_size = Histogram(
+            f"{PREFIX}_batch_size",
+            "Sequences in one engine step",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            f"{PREFIX}_engine_step_seconds",
+            "Duration of one engine step",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            f"{PREFIX}_request_latency_seconds",
+            "Accepted to finished, successful requests",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Accepted to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl_seconds = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between a request's consecutive engine outputs, per token",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            f"{PREFIX}_queue_time_seconds",
+            "Accepted to admitted into the engine",
+            ["priority"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            f"{PREFIX}_generated_tokens",
+            "Completion tokens produced (rate() = tokens per second)",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens admitted", registry=r
+        )
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Finished calls by gRPC status", ["method", "code"], registry=r
+        )
+        self.rejections = Counter(
+            f"{PREFIX}_rejections", "Calls refused before queueing", ["reason"], registry=r
+        )
+        self.expiries = Counter(f"{PREFIX}_expiries", "Deadlines passed", ["stage"], registry=r)
+        self.cancellations = Counter(
+            f"{PREFIX}_cancellations", "Calls the client cancelled", ["stage"], registry=r
+        )
+        self.engine_failures = Counter(
+            f"{PREFIX}_engine_failures", "Engine step loop failures", registry=r
+        )
+
+    def watch_load(self, read: Callable[[], LoadSnapshot | None]) -> None:
+        self.registry.register(_LoadCollector(read))
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Expose /metrics (OpenMetrics with exemplars when the scraper asks for it)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
