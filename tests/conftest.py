@@ -22,11 +22,58 @@ ENGINE_SEQS = 8
 QUEUE_CAPACITY = 24
 
 
+class OtlpReceiver:
+    """A real OTLP/gRPC trace receiver built from opentelemetry-proto, on loopback."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import (
+            trace_service_pb2,
+            trace_service_pb2_grpc,
+        )
+
+        receiver = self
+        self.requests: list[Any] = []
+        self._lock = threading.Lock()
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                with receiver._lock:
+                    receiver.requests.append(request)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+
+    def spans(self) -> list[Any]:
+        with self._lock:
+            return [
+                span
+                for req in self.requests
+                for rs in req.resource_spans
+                for ss in rs.scope_spans
+                for span in ss.spans
+            ]
+
+    def stop(self) -> None:
+        self._server.stop(0)
+
+
 @dataclass
 class LiveServer:
     server: Any  # StreambatchServer
     loop: asyncio.AbstractEventLoop
     target: str
+    memory_spans: Any  # InMemorySpanExporter
+    otlp: OtlpReceiver
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.metrics_port}/metrics"
 
     @property
     def worker(self) -> Any:
@@ -38,17 +85,26 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def live_server() -> Iterator[LiveServer]:
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     from pyserver.engine import EngineOptions
     from pyserver.model import pull_default_model
     from pyserver.service.server import ServerSettings, StreambatchServer
+    from pyserver.telemetry.tracing import make_tracer_provider
 
     settings = ServerSettings(
         engine=EngineOptions(model=str(pull_default_model()), max_num_seqs=ENGINE_SEQS),
         port=0,
         queue_capacity=QUEUE_CAPACITY,
         aging_interval_s=60.0,
+        metrics_port=0,
     )
-    server = StreambatchServer(settings)
+    otlp = OtlpReceiver()
+    memory = InMemorySpanExporter()
+    otlp_exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{otlp.port}", insecure=True)
+    provider = make_tracer_provider("off", extra_exporters=(memory, otlp_exporter))
+    server = StreambatchServer(settings, tracer_provider=provider)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     failure: list[BaseException] = []
@@ -73,6 +129,7 @@ def live_server() -> Iterator[LiveServer]:
     assert started.wait(600), "the server did not start within 10 minutes"
     if failure:
         raise failure[0]
-    yield LiveServer(server, loop, f"127.0.0.1:{server.port}")
+    yield LiveServer(server, loop, f"127.0.0.1:{server.port}", memory, otlp)
     asyncio.run_coroutine_threadsafe(server.drain(), loop).result(60)
     thread.join(30)
+    otlp.stop()
