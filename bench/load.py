@@ -1,0 +1,162 @@
+"""Closed-loop gRPC load against a streambatch server: output tokens/s, TTFT, ITL, latency.
+
+Each of `--concurrency` workers sends a request, reads its whole stream, and sends the next,
+until `--requests` are done; the first `--warmup` requests are not counted. Prompts are seeded,
+chat-templated and of mixed lengths; outputs have a fixed length (ignore_eos) for fairness.
+Last stdout line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from streambatch.v1 import generation_pb2 as pb
+from streambatch.v1 import generation_pb2_grpc as pb_grpc
+from tqdm import tqdm
+
+_WORDS = [
+    "river", "mountain", "engine", "signal", "harbor", "lantern", "orbit", "garden", "copper",
+    "violet", "thunder", "meadow", "crystal", "falcon", "cipher", "ember", "glacier", "canyon",
+]  # fmt: skip
+
+
+def prompts(n: int, seed: int, min_words: int = 8, max_words: int = 120) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        "Write about: "
+        + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(min_words, max_words)))
+        for _ in range(n)
+    ]
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    e2e_s: float
+    tokens: int
+    gaps_s: list[float]
+    priority: int = 0
+
+
+@dataclass
+class Report:
+    samples: list[Sample] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, object]:
+        ok = self.samples
+        if not ok:
+            return {"errors": self.errors}
+
+        def pct(values: list[float], q: float) -> float:
+            return round(float(np.percentile(values, q)) * 1e3, 1) if values else 0.0
+
+        ttft = [s.ttft_s for s in ok]
+        e2e = [s.e2e_s for s in ok]
+        itl = [g for s in ok for g in s.gaps_s]
+        tokens = sum(s.tokens for s in ok)
+        return {
+            "requests": len(ok),
+            "output_tok_s": round(tokens / self.wall_s, 1),
+            "requests_s": round(len(ok) / self.wall_s, 2),
+            "ttft_p50_ms": pct(ttft, 50),
+            "ttft_p90_ms": pct(ttft, 90),
+            "ttft_p99_ms": pct(ttft, 99),
+            "itl_p50_ms": pct(itl, 50),
+            "itl_p90_ms": pct(itl, 90),
+            "itl_p99_ms": pct(itl, 99),
+            "e2e_p50_ms": pct(e2e, 50),
+            "e2e_p90_ms": pct(e2e, 90),
+            "e2e_p99_ms": pct(e2e, 99),
+            "errors": self.errors,
+        }
+
+
+async def one(
+    stub: pb_grpc.GenerationStub, text: str, max_tokens: int, priority: int, timeout: float
+) -> Sample:
+    req = pb.GenerateRequest(
+        chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=text)]), priority=priority
+    )
+    req.sampling.max_tokens = max_tokens
+    req.sampling.ignore_eos = True
+    req.sampling.temperature = 0.0
+    start = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    gaps: list[float] = []
+    async for msg in stub.Generate(req, timeout=timeout):
+        now = time.perf_counter()
+        n = len(msg.token_ids)
+        if n:
+            if not first:
+                first = now
+            else:
+                gaps.extend([(now - last) / n] * n)
+            last = now
+            tokens += n
+    return Sample(first - start, last - start, tokens, gaps, priority)
+
+
+async def run_closed_loop(
+    target: str,
+    concurrency: int,
+    requests: int,
+    warmup: int,
+    max_tokens: int,
+    seed: int,
+    timeout: float = 600.0,
+) -> Report:
+    texts = prompts(requests + warmup, seed)
+    report = Report()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for text in texts[:warmup]:
+            await one(stub, text, max_tokens, 0, timeout)
+        queue = list(reversed(texts[warmup:]))
+        bar = tqdm(total=requests, desc=f"c={concurrency}", file=sys.stderr, leave=False)
+
+        async def worker() -> None:
+            while queue:
+                text = queue.pop()
+                try:
+                    report.samples.append(await one(stub, text, max_tokens, 0, timeout))
+                except grpc.aio.AioRpcError as err:
+                    report.errors[err.code().name] = report.errors.get(err.code().name, 0) + 1
+                bar.update()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        report.wall_s = time.perf_counter() - start
+        bar.close()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", default="127.0.0.1:50051")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    report = asyncio.run(
+        run_closed_loop(
+            args.target, args.concurrency, args.requests, args.warmup, args.max_tokens, args.seed
+        )
+    )
+    print(json.dumps(report.summary()))
+
+
+if __name__ == "__main__":
+    main()
