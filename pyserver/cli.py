@@ -81,6 +81,7 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--reflection", _bool, True, "serve gRPC reflection (for grpcurl)")
     _add(p, "--tracing", str, "off", "off, console or otlp (configured by the OTEL_* variables)")
     _add(p, "--record-content", _bool, False, "put prompts and completions in spans")
+    _add(p, "--trace-engine-steps", float, 0.0, "fraction of engine steps traced (0: off)")
     _add(p, "--metrics-host", str, "127.0.0.1", "Prometheus endpoint address")
     _add(p, "--metrics-port", int, 9400, "Prometheus endpoint port (-1: off)")
     _add(p, "--log-level", str, "INFO", "logging level")
@@ -181,6 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_grace_s=args.drain_grace_s,
         tracing=args.tracing,
         record_content=args.record_content,
+        trace_engine_steps=args.trace_engine_steps,
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         reflection=args.reflection,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class ErrorKind(enum.Enum):
@@ -123,3 +124,4 @@ class WorkItem:
     last_token_ns: int = 0
     finished_ns: int = 0
     completion_tokens: int = 0
+    span: Any = None  # the call's RPC span, for engine-step span links (opaque here)

@@ -99,6 +99,7 @@ def live_server() -> Iterator[LiveServer]:
         queue_capacity=QUEUE_CAPACITY,
         aging_interval_s=60.0,
         metrics_port=0,
+        trace_engine_steps=1.0,
     )
     otlp = OtlpReceiver()
     memory = InMemorySpanExporter()

@@ -26,6 +26,7 @@ from typing import Any
 from pyserver.batching import BatchQueue, PushStatus, QueueConfig
 from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
 from pyserver.telemetry.metrics import Metrics
+from pyserver.telemetry.tracing import StepTracer
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +138,12 @@ class EngineWorker:
         loop: asyncio.AbstractEventLoop,
         *,
         metrics: Metrics | None = None,
+        step_tracer: StepTracer | None = None,
         step_hook: Callable[[], None] | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics or Metrics()
+        self._step_tracer = step_tracer
         self._loop = loop
         self.queue = BatchQueue(queue_config)
         self.tokenizer = engine.get_tokenizer()
@@ -364,6 +367,13 @@ class EngineWorker:
                 self._retire(h)
             out.append((item.mailbox, delta))
         m.generated_tokens.inc(generated)
+        if self._step_tracer is not None and self._step_tracer.enabled:
+            served = [
+                self._items[int(o.request_id)].span
+                for o in outputs
+                if int(o.request_id) in self._items
+            ]
+            self._step_tracer.on_step(started, now, batch, generated, served)
         out.extend(self._expire_running(now))
         self.stats.running = len(self._running)
         if self.kv_capacity_tokens:

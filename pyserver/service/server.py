@@ -27,7 +27,7 @@ from pyserver.engine import EngineOptions, EngineWorker, build_engine
 from pyserver.service.convert import Limits
 from pyserver.service.servicer import GenerationServicer
 from pyserver.telemetry.metrics import LoadSnapshot, Metrics
-from pyserver.telemetry.tracing import RequestTracer, make_tracer_provider
+from pyserver.telemetry.tracing import RequestTracer, StepTracer, make_tracer_provider
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class ServerSettings:
     reflection: bool = True
     tracing: str = "off"  # off | console | otlp (OTEL_* variables configure the exporter)
     record_content: bool = False  # prompts/completions in spans: never unless asked
+    trace_engine_steps: float = 0.0  # fraction of engine steps traced; 0 = off
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9400  # None: no metrics endpoint; 0: any free port
     extra_options: dict[str, Any] = field(default_factory=dict)
@@ -121,7 +122,10 @@ class StreambatchServer:
         loop = asyncio.get_running_loop()
         if engine is None:
             engine = await loop.run_in_executor(None, build_engine, s.engine)
-        self.worker = EngineWorker(engine, self._queue_config(), loop, metrics=self.metrics)
+        step_tracer = StepTracer(self.tracer_provider, s.trace_engine_steps)
+        self.worker = EngineWorker(
+            engine, self._queue_config(), loop, metrics=self.metrics, step_tracer=step_tracer
+        )
         self.worker.on_failure = self._on_engine_failure
         limits = self._limits(self.worker)
         tracer = RequestTracer(self.tracer_provider, record_content=s.record_content)

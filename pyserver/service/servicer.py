@@ -83,6 +83,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         item: WorkItem | None = None
         try:
             item = await self._accept(request, context, metadata)
+            item.span = span
             self.in_flight += 1
             self.idle.clear()
             while True:

@@ -140,3 +140,37 @@ class RequestTracer:
             if code in ("CANCELLED", "DEADLINE_EXCEEDED"):
                 span.add_event(code.lower())
         span.end()
+
+
+class StepTracer:
+    """One span per sampled engine step (batch size, tokens), linked to the RPC spans of the
+    requests it served. Off unless a sample ratio above 0 is given; called on the worker thread."""
+
+    def __init__(self, provider: TracerProvider | None, sample_ratio: float) -> None:
+        if not 0.0 <= sample_ratio <= 1.0:
+            raise ValueError(f"engine step sample ratio must be in [0, 1], got {sample_ratio}")
+        self._tracer = provider.get_tracer(_TRACER_NAME) if provider and sample_ratio > 0 else None
+        self._every = max(1, round(1 / sample_ratio)) if sample_ratio > 0 else 0
+        self._count = 0
+        self._offset_ns = time.time_ns() - time.monotonic_ns()
+
+    @property
+    def enabled(self) -> bool:
+        return self._tracer is not None
+
+    def on_step(
+        self, start_ns: int, end_ns: int, batch: int, tokens: int, served: Iterable[Span | None]
+    ) -> None:
+        if self._tracer is None:
+            return
+        self._count += 1
+        if self._count % self._every:
+            return
+        links = [trace.Link(s.get_span_context()) for s in served if s is not None]
+        span = self._tracer.start_span(
+            "engine.step",
+            start_time=start_ns + self._offset_ns,
+            links=links,
+            attributes={"streambatch.batch_size": batch, "streambatch.step_tokens": tokens},
+        )
+        span.end(end_time=end_ns + self._offset_ns)

@@ -63,6 +63,14 @@ def test_span_tree_continues_the_client_trace_in_memory_and_over_otlp(live_serve
         assert child.parent.span_id == rpc.context.span_id
         assert rpc.start_time <= child.start_time <= child.end_time <= rpc.end_time + 1_000_000
     assert by_name["queue"].end_time <= by_name["prefill"].start_time + 1_000
+    steps = [
+        sp
+        for sp in live_server.memory_spans.get_finished_spans()
+        if sp.name == "engine.step"
+        and any(link.context.span_id == rpc.context.span_id for link in sp.links)
+    ]
+    assert steps, "no engine.step span links to the call"
+    assert all(sp.attributes["streambatch.batch_size"] >= 1 for sp in steps)
     # Prompt text is never recorded by default.
     assert all("France" not in str(v) for sp in spans for v in sp.attributes.values())
 

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pyserver.telemetry.metrics import LoadSnapshot, Metrics
-from pyserver.telemetry.tracing import RequestTracer, make_tracer_provider
+from pyserver.telemetry.tracing import RequestTracer, StepTracer, make_tracer_provider
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,3 +95,20 @@ def test_documented_metrics_exist() -> None:
     )
     normalized = {d.removesuffix("_total") for d in documented}
     assert normalized <= families, normalized - families
+
+
+def test_step_tracer_samples_and_links() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rpc = RequestTracer(provider).start("Generate", {})
+    steps = StepTracer(provider, 0.5)
+    t0 = time.monotonic_ns()
+    for i in range(10):
+        steps.on_step(t0 + i, t0 + i + 1, batch=3, tokens=3, served=[rpc, None])
+    spans = [s for s in exporter.get_finished_spans() if s.name == "engine.step"]
+    assert len(spans) == 5
+    assert all(s.links[0].context.span_id == rpc.get_span_context().span_id for s in spans)
+    assert not StepTracer(provider, 0.0).enabled
+    with pytest.raises(ValueError, match="ratio"):
+        StepTracer(provider, 2.0)
