@@ -79,6 +79,8 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
     _add(p, "--drain-grace-s", float, 30.0, "on SIGTERM, how long in-flight calls may finish")
     _add(p, "--reflection", _bool, True, "serve gRPC reflection (for grpcurl)")
+    _add(p, "--latency-slo-ms", float, 0.0, "adaptive batch controller target p99 (0: off)")
+    _add(p, "--controller-metric", str, "itl", "latency the controller watches: ttft, itl or e2e")
     _add(p, "--tracing", str, "off", "off, console or otlp (configured by the OTEL_* variables)")
     _add(p, "--record-content", _bool, False, "put prompts and completions in spans")
     _add(p, "--trace-engine-steps", float, 0.0, "fraction of engine steps traced (0: off)")
@@ -183,6 +185,8 @@ def _serve(args: argparse.Namespace) -> int:
         tracing=args.tracing,
         record_content=args.record_content,
         trace_engine_steps=args.trace_engine_steps,
+        latency_slo_ms=args.latency_slo_ms,
+        controller_metric=args.controller_metric,
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         reflection=args.reflection,

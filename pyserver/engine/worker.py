@@ -25,6 +25,7 @@ from typing import Any
 
 from pyserver.batching import BatchQueue, PushStatus, QueueConfig
 from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
+from pyserver.scheduling import AdaptiveBatchController
 from pyserver.telemetry.metrics import Metrics
 from pyserver.telemetry.tracing import StepTracer
 
@@ -139,11 +140,13 @@ class EngineWorker:
         *,
         metrics: Metrics | None = None,
         step_tracer: StepTracer | None = None,
+        controller: AdaptiveBatchController | None = None,
         step_hook: Callable[[], None] | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics or Metrics()
         self._step_tracer = step_tracer
+        self._controller = controller
         self._loop = loop
         self.queue = BatchQueue(queue_config)
         self.tokenizer = engine.get_tokenizer()
@@ -152,7 +155,7 @@ class EngineWorker:
         self.vocab_size: int = engine.model_config.get_vocab_size()
         cache = engine.vllm_config.cache_config
         self.kv_capacity_tokens: int = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
-        self.concurrency_limit = self.max_num_seqs
+        self.concurrency_limit = controller.limit if controller else self.max_num_seqs
         self.engine_version = _vllm_version()
         self.stats = EngineStats()
         self.failed: BaseException | None = None
@@ -340,17 +343,25 @@ class EngineWorker:
         m.step_seconds.observe((now - started) / 1e9)
         generated = 0
         out: list[tuple[Mailbox, Delta]] = []
+        served: list[Any] = []
+        ctl = self._controller
         for o in outputs:
             h = int(o.request_id)
             item = self._running.get(h)
             if item is None:
                 continue
+            served.append(item.span)
             c = o.outputs[0]
             if c.token_ids:
                 if not item.first_token_ns:
                     item.first_token_ns = now
+                    if ctl is not None and ctl.metric == "ttft":
+                        ctl.observe((now - item.accepted_ns) / 1e6)
                 else:
-                    m.itl_seconds.observe((now - item.last_token_ns) / 1e9 / len(c.token_ids))
+                    itl_s = (now - item.last_token_ns) / 1e9 / len(c.token_ids)
+                    m.itl_seconds.observe(itl_s)
+                    if ctl is not None and ctl.metric == "itl":
+                        ctl.observe(itl_s * 1e3)
                 item.last_token_ns = now
             item.completion_tokens += len(c.token_ids)
             generated += len(c.token_ids)
@@ -364,16 +375,15 @@ class EngineWorker:
                     (now - item.admitted_ns) / 1e9 - self._mean_request_s
                 )
                 item.finished_ns = now
+                if ctl is not None and ctl.metric == "e2e":
+                    ctl.observe((now - item.accepted_ns) / 1e6)
                 self._retire(h)
             out.append((item.mailbox, delta))
         m.generated_tokens.inc(generated)
-        if self._step_tracer is not None and self._step_tracer.enabled:
-            served = [
-                self._items[int(o.request_id)].span
-                for o in outputs
-                if int(o.request_id) in self._items
-            ]
+        if self._step_tracer is not None:
             self._step_tracer.on_step(started, now, batch, generated, served)
+        if ctl is not None:
+            self.concurrency_limit = ctl.update()
         out.extend(self._expire_running(now))
         self.stats.running = len(self._running)
         if self.kv_capacity_tokens:

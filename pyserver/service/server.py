@@ -24,6 +24,7 @@ from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
 from pyserver.batching import make_config
 from pyserver.engine import EngineOptions, EngineWorker, build_engine
+from pyserver.scheduling import AdaptiveBatchController
 from pyserver.service.convert import Limits
 from pyserver.service.servicer import GenerationServicer
 from pyserver.telemetry.metrics import LoadSnapshot, Metrics
@@ -55,6 +56,8 @@ class ServerSettings:
     reflection: bool = True
     tracing: str = "off"  # off | console | otlp (OTEL_* variables configure the exporter)
     record_content: bool = False  # prompts/completions in spans: never unless asked
+    latency_slo_ms: float = 0.0  # > 0 turns the adaptive batch controller on
+    controller_metric: str = "itl"  # ttft | itl | e2e
     trace_engine_steps: float = 0.0  # fraction of engine steps traced; 0 = off
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9400  # None: no metrics endpoint; 0: any free port
@@ -123,8 +126,18 @@ class StreambatchServer:
         if engine is None:
             engine = await loop.run_in_executor(None, build_engine, s.engine)
         step_tracer = StepTracer(self.tracer_provider, s.trace_engine_steps)
+        controller = None
+        if s.latency_slo_ms > 0:
+            controller = AdaptiveBatchController(
+                s.latency_slo_ms, s.engine.max_num_seqs, metric=s.controller_metric
+            )
         self.worker = EngineWorker(
-            engine, self._queue_config(), loop, metrics=self.metrics, step_tracer=step_tracer
+            engine,
+            self._queue_config(),
+            loop,
+            metrics=self.metrics,
+            step_tracer=step_tracer if step_tracer.enabled else None,
+            controller=controller,
         )
         self.worker.on_failure = self._on_engine_failure
         limits = self._limits(self.worker)

@@ -1,0 +1,94 @@
+"""The adaptive batch controller: closes the loop between a latency SLO and the admitted
+concurrency the engine worker may fill (the seed article's rule, made safe against oscillation).
+
+Rule (the seed's default): over a sliding window of the chosen latency (TTFT, inter-token or
+end-to-end), if p99 > 1.5 x SLO shrink the limit by `step` (2); if p99 < 0.5 x SLO grow it by
+`step`; always within [min_limit, max_limit]. After a change the window restarts, so the next
+decision sees only latency measured under the new limit, and no change happens within
+`cooldown_s` of the last one: together these keep a steady load from oscillating.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+METRICS = ("ttft", "itl", "e2e")
+
+
+class AdaptiveBatchController:
+    def __init__(
+        self,
+        slo_ms: float,
+        max_limit: int,
+        *,
+        metric: str = "itl",
+        min_limit: int = 1,
+        step: int = 2,
+        window: int = 256,
+        min_samples: int = 32,
+        cooldown_s: float = 2.0,
+        initial: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not slo_ms > 0:
+            raise ValueError(f"latency SLO must be > 0 ms, got {slo_ms}")
+        if metric not in METRICS:
+            raise ValueError(
+                f"controller metric must be one of {', '.join(METRICS)}, got {metric!r}"
+            )
+        if not 1 <= min_limit <= max_limit:
+            raise ValueError(f"need 1 <= min_limit ({min_limit}) <= max_limit ({max_limit})")
+        self.slo_ms = slo_ms
+        self.metric = metric
+        self.min_limit = min_limit
+        self.max_limit = max_limit
+        self._step = step
+        self._min_samples = min_samples
+        self._cooldown_s = cooldown_s
+        self._clock = clock
+        self._samples: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+        self._limit = max(min_limit, min(max_limit, initial or max_limit))
+        self._last_change = clock()
+        self.changes = 0
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def observe(self, value_ms: float) -> None:
+        with self._lock:
+            self._samples.append(value_ms)
+
+    def p99_ms(self) -> float | None:
+        with self._lock:
+            if len(self._samples) < self._min_samples:
+                return None
+            return float(np.percentile(np.fromiter(self._samples, float), 99))
+
+    def update(self) -> int:
+        """Apply the rule if the cool-down has passed and the window is full enough."""
+        now = self._clock()
+        if now - self._last_change < self._cooldown_s:
+            return self._limit
+        p99 = self.p99_ms()
+        if p99 is None:
+            return self._limit
+        if p99 > 1.5 * self.slo_ms:
+            new = max(self.min_limit, self._limit - self._step)
+        elif p99 < 0.5 * self.slo_ms:
+            new = min(self.max_limit, self._limit + self._step)
+        else:
+            new = self._limit
+        if new != self._limit:
+            self._limit = new
+            self._last_change = now
+            self.changes += 1
+            with self._lock:
+                self._samples.clear()
+        return self._limit

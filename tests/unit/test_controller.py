@@ -1,0 +1,83 @@
+"""AdaptiveBatchController on synthetic latency streams."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from pyserver.scheduling import AdaptiveBatchController
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def drive(
+    ctl: AdaptiveBatchController,
+    clock: FakeClock,
+    latency_of,
+    seconds: float,  # type: ignore[no-untyped-def]
+    rate: int = 100,
+    seed: int = 0,
+) -> list[int]:
+    """Feed `rate` samples per second whose latency depends on the current limit."""
+    rng = random.Random(seed)
+    limits = []
+    for _ in range(int(seconds * 10)):
+        for _ in range(rate // 10):
+            ctl.observe(latency_of(ctl.limit) * rng.uniform(0.9, 1.1))
+        clock.t += 0.1
+        limits.append(ctl.update())
+    return limits
+
+
+def test_shrinks_under_overload_and_converges_without_oscillation() -> None:
+    clock = FakeClock()
+    ctl = AdaptiveBatchController(100.0, 64, cooldown_s=1.0, clock=clock)
+    # ITL grows with concurrency: 10 ms + 4 ms per sequence. In-band (50..150 ms) for 10..35.
+    limits = drive(ctl, clock, lambda n: 10 + 4 * n, seconds=120)
+    final = limits[-1]
+    assert 10 <= final <= 35
+    assert 10 + 4 * final <= 150
+    tail = limits[len(limits) // 2 :]
+    assert len(set(tail)) == 1, "the limit kept moving on a steady load"
+
+
+def test_grows_when_latency_is_far_below_the_slo() -> None:
+    clock = FakeClock()
+    ctl = AdaptiveBatchController(500.0, 32, initial=2, cooldown_s=1.0, clock=clock)
+    limits = drive(ctl, clock, lambda n: 20.0, seconds=60)
+    assert limits[-1] == 32  # grown to the bound and held there
+    assert max(limits) <= 32
+
+
+def test_bounded_below_and_seed_rule_steps_of_two() -> None:
+    clock = FakeClock()
+    ctl = AdaptiveBatchController(10.0, 16, cooldown_s=0.5, clock=clock)
+    limits = drive(ctl, clock, lambda n: 1000.0, seconds=30)
+    assert min(limits) == 1 and limits[-1] == 1
+    steps = {a - b for a, b in itertools.pairwise(limits) if a != b}
+    assert steps <= {2, 1}  # 16 -> 14 -> ... -> 2 -> 1 (clamped)
+
+
+def test_cooldown_spaces_changes() -> None:
+    clock = FakeClock()
+    ctl = AdaptiveBatchController(10.0, 64, cooldown_s=5.0, min_samples=1, clock=clock)
+    drive(ctl, clock, lambda n: 1000.0, seconds=20)
+    assert ctl.changes <= 4  # at most one change per 5 s
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"slo_ms": 0}, "SLO"), ({"metric": "tps"}, "metric"), ({"min_limit": 0}, "min_limit")],
+)
+def test_bad_settings(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"slo_ms": 100.0, "max_limit": 8} | kwargs
+    with pytest.raises(ValueError, match=message):
+        AdaptiveBatchController(**args)  # type: ignore[arg-type]
