@@ -8,9 +8,8 @@ BUILD_DEPS := "scikit-build-core>=0.10,<2" "pybind11>=2.12,<4" "grpcio-tools==1.
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_HOST_IP ?= 127.0.0.1
 export HF_HUB_OFFLINE ?= 1
-export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 
-.PHONY: install model serve test test-cpp test-py lint bench-queue clean
+.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing clean
 
 # Third-party dependencies: reinstalled only when pyproject.toml changes.
 $(VENV)/.deps-stamp: pyproject.toml
@@ -58,6 +57,13 @@ lint: install
 
 bench-queue: install
 	$(PY) bench/bench_queue.py
+
+# streambatch against vLLM's OpenAI server, the seed article's design and offline LLM.generate.
+bench: model
+	$(PY) bench/compare.py
+
+bench-tracing: model
+	$(PY) bench/tracing_overhead.py
 
 clean:
 	rm -rf build

@@ -14,6 +14,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -81,15 +82,23 @@ class Report:
         }
 
 
-async def one(
-    stub: pb_grpc.GenerationStub, text: str, max_tokens: int, priority: int, timeout: float
-) -> Sample:
-    req = pb.GenerateRequest(
-        chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=text)]), priority=priority
-    )
+def generate_request(
+    text: str, max_tokens: int, priority: int = 0, *, chat: bool = True
+) -> pb.GenerateRequest:
+    if chat:
+        req = pb.GenerateRequest(
+            chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=text)])
+        )
+    else:
+        req = pb.GenerateRequest(text=text)
+    req.priority = priority
     req.sampling.max_tokens = max_tokens
     req.sampling.ignore_eos = True
     req.sampling.temperature = 0.0
+    return req
+
+
+async def one(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest, timeout: float) -> Sample:
     start = time.perf_counter()
     first = last = 0.0
     tokens = 0
@@ -104,7 +113,39 @@ async def one(
                 gaps.extend([(now - last) / n] * n)
             last = now
             tokens += n
-    return Sample(first - start, last - start, tokens, gaps, priority)
+    return Sample(first - start, last - start, tokens, gaps, req.priority)
+
+
+Send = Callable[[str], Awaitable[Sample]]
+
+
+async def closed_loop(
+    send: Send, texts: list[str], concurrency: int, warmup: int, label: str = ""
+) -> Report:
+    """`concurrency` workers each send the next prompt as soon as their last one finished."""
+    report = Report()
+    for text in texts[:warmup]:
+        await send(text)
+    pending = list(reversed(texts[warmup:]))
+    bar = tqdm(total=len(pending), desc=label or f"c={concurrency}", file=sys.stderr, leave=False)
+
+    async def worker() -> None:
+        while pending:
+            text = pending.pop()
+            try:
+                report.samples.append(await send(text))
+            except grpc.aio.AioRpcError as err:
+                report.errors[err.code().name] = report.errors.get(err.code().name, 0) + 1
+            except Exception as err:  # an HTTP peer's failure, counted by its type
+                name = type(err).__name__
+                report.errors[name] = report.errors.get(name, 0) + 1
+            bar.update()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    report.wall_s = time.perf_counter() - start
+    bar.close()
+    return report
 
 
 async def run_closed_loop(
@@ -117,28 +158,13 @@ async def run_closed_loop(
     timeout: float = 600.0,
 ) -> Report:
     texts = prompts(requests + warmup, seed)
-    report = Report()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        for text in texts[:warmup]:
-            await one(stub, text, max_tokens, 0, timeout)
-        queue = list(reversed(texts[warmup:]))
-        bar = tqdm(total=requests, desc=f"c={concurrency}", file=sys.stderr, leave=False)
 
-        async def worker() -> None:
-            while queue:
-                text = queue.pop()
-                try:
-                    report.samples.append(await one(stub, text, max_tokens, 0, timeout))
-                except grpc.aio.AioRpcError as err:
-                    report.errors[err.code().name] = report.errors.get(err.code().name, 0) + 1
-                bar.update()
+        async def send(text: str) -> Sample:
+            return await one(stub, generate_request(text, max_tokens), timeout)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        report.wall_s = time.perf_counter() - start
-        bar.close()
-    return report
+        return await closed_loop(send, texts, concurrency, warmup)
 
 
 def main() -> None:
