@@ -300,7 +300,9 @@ def run_offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
         env=peer_env(),
         check=True,
     )
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    # vLLM logs to stdout too; the result is the line the script marks.
+    line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("RESULT "))
+    return dict(json.loads(line.removeprefix("RESULT ")))
 
 
 def templated(texts: list[str], model: str) -> list[str]:

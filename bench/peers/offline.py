@@ -1,5 +1,5 @@
 """The engine's ceiling: offline vllm.LLM.generate over the whole workload at once.
-Reads a JSON list of prompts; prints one JSON object {output_tok_s, requests, wall_s}."""
+Reads a JSON list of prompts; prints "RESULT {output_tok_s, requests, wall_s}" (JSON)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def main() -> None:
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
-        json.dumps(
+        "RESULT " + json.dumps(
             {
                 "output_tok_s": round(tokens / wall, 1),
                 "requests": len(outs),
