@@ -102,6 +102,18 @@ class Server:
         self._log.close()
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine arguments every target gets, identically."""
+    return [
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
+
+
 def run_streambatch(args: argparse.Namespace, texts: list[str]) -> Report:
     port = free_port()
     target = f"127.0.0.1:{port}"
@@ -115,12 +127,7 @@ def run_streambatch(args: argparse.Namespace, texts: list[str]) -> Report:
             args.model,
             "--port",
             str(port),
-            "--dtype",
-            args.dtype,
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-model-len",
-            str(args.max_model_len),
+            *engine_flags(args),
             "--metrics-port",
             "-1",
             "--queue-capacity",
@@ -161,13 +168,8 @@ def run_vllm_openai(args: argparse.Namespace, texts: list[str]) -> Report:
             str(port),
             "--host",
             "127.0.0.1",
-            "--dtype",
-            args.dtype,
+            *engine_flags(args),
             "--enforce-eager",
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-model-len",
-            str(args.max_model_len),
             "--served-model-name",
             "m",
             "--no-enable-log-requests",
@@ -230,12 +232,7 @@ def run_seed(args: argparse.Namespace, texts: list[str]) -> Report:
             args.model,
             "--port",
             str(port),
-            "--dtype",
-            args.dtype,
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-model-len",
-            str(args.max_model_len),
+            *engine_flags(args),
         ],
         RESULTS / "seed_fastapi.log",
     )
@@ -288,12 +285,7 @@ def run_offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
             str(path),
             "--max-tokens",
             str(args.max_tokens),
-            "--dtype",
-            args.dtype,
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-model-len",
-            str(args.max_model_len),
+            *engine_flags(args),
         ],
         capture_output=True,
         text=True,

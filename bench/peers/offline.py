@@ -35,7 +35,8 @@ def main() -> None:
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
-        "RESULT " + json.dumps(
+        "RESULT "
+        + json.dumps(
             {
                 "output_tok_s": round(tokens / wall, 1),
                 "requests": len(outs),
