@@ -1,0 +1,47 @@
+"""The deployment files parse with the tools that run here (no Docker engine on these machines)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*cmd: str) -> str:
+    binary = shutil.which(cmd[0])
+    assert binary, f"{cmd[0]} is missing (.ci/run installs it from Debian)"
+    done = subprocess.run([binary, *cmd[1:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def test_compose_config_lists_the_stack() -> None:
+    services = set(
+        run("docker-compose", "-f", "docker-compose.yml", "config", "--services").split()
+    )
+    assert {
+        "streambatch",
+        "streambatch-cpu",
+        "otel-collector",
+        "jaeger",
+        "prometheus",
+        "grafana",
+    } <= services
+    rendered = run("docker-compose", "-f", "docker-compose.yml", "config")
+    assert "driver: nvidia" in rendered  # the GPU reservation on the default service
+    assert "grpc_health" in rendered  # the server's health check speaks the gRPC protocol
+
+
+def test_prometheus_config_passes_promtool() -> None:
+    assert "SUCCESS" in run("promtool", "check", "config", "deploy/prometheus.yml")
+
+
+def test_images_build_the_extension_as_non_root() -> None:
+    for name in ("Dockerfile.cpu", "Dockerfile.cuda"):
+        text = (ROOT / "deploy" / "docker" / name).read_text()
+        assert text.count("FROM ") == 2, f"{name} should be multi-stage"
+        assert "USER streambatch" in text
+        assert 'VOLUME ["/models"]' in text
+        assert "COPY csrc" in text and "pip install" in text
