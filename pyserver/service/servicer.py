@@ -92,9 +92,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     outcome.fail(delta.error)
                     await self._fail(context, delta.error)
                 outcome.last = delta
+                if delta.final:
+                    # Set before yielding: a consumer that returns on the final delta (Complete)
+                    # closes this generator at the yield, and the call did succeed.
+                    outcome.code = "OK"
                 yield item, delta
                 if delta.final:
-                    outcome.code = "OK"
                     return
         except RequestError as err:  # refused before queueing
             outcome.fail(err)

@@ -210,3 +210,17 @@ def test_real_prometheus_scrapes_and_answers_histogram_quantile(live_server) -> 
         finally:
             proc.terminate()
             proc.wait(10)
+
+
+def test_complete_is_counted_ok_not_cancelled(live_server) -> None:  # type: ignore[no-untyped-def]
+    def count(code: str) -> float:
+        text = scrape(live_server.metrics_url)
+        m = re.search(
+            rf'^streambatch_requests_total\{{code="{code}",method="Complete"\}} (\S+)', text, re.M
+        )
+        return float(m.group(1)) if m else 0.0
+
+    ok, cancelled = count("OK"), count("CANCELLED")
+    stub(live_server.target).Complete(request("Hi", max_tokens=2), timeout=60)
+    assert count("OK") == ok + 1
+    assert count("CANCELLED") == cancelled
