@@ -45,3 +45,19 @@ def test_images_build_the_extension_as_non_root() -> None:
         assert "USER streambatch" in text
         assert 'VOLUME ["/models"]' in text
         assert "COPY csrc" in text and "pip install" in text
+
+
+def test_envoy_and_kubernetes_files_parse() -> None:
+    import yaml
+
+    envoy = yaml.safe_load((ROOT / "deploy/envoy/envoy.yaml").read_text())
+    cluster = envoy["static_resources"]["clusters"][0]
+    assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == (
+        "streambatch.v1.Generation"
+    )
+    docs = list(yaml.safe_load_all((ROOT / "deploy/k8s/streambatch.yaml").read_text()))
+    service = next(d for d in docs if d["kind"] == "Service")
+    assert service["spec"]["clusterIP"] == "None"
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    probe = deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert probe["grpc"]["port"] == 50051
