@@ -283,4 +283,4 @@ def _text(value: str | bytes) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-__all__ = ["STATUS", "Delta", "GenerationServicer"]
+__all__ = ["STATUS", "GenerationServicer"]
