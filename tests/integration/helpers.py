@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from streambatch.v1 import generation_pb2 as pb
@@ -65,3 +68,24 @@ def run_stream(
         result.code, result.details = err.code(), err.details() or ""
         result.trailers = {k: v for k, v in (err.trailing_metadata() or ()) if isinstance(v, str)}
     return result
+
+
+def spawn_server(port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """`streambatch serve` in its own process (small engine, long drain grace), output to `log`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pyserver.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        "4",
+        "--drain-grace-s",
+        "60",
+        "--log-level",
+        "WARNING",
+        *extra,
+    ]
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

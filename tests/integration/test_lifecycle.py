@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from integration.helpers import request, run_stream, stub
+from integration.helpers import request, run_stream, spawn_server, stub
 
 pytestmark = pytest.mark.engine
 
@@ -37,30 +34,12 @@ def health_status(target: str) -> int | None:
             return None
 
 
-def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # live_server is idle during this test; the second engine gets the CPU to itself.
     port = free_port()
     target = f"127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pyserver.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            "4",
-            "--drain-grace-s",
-            "60",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ),
-    )
+    log = tmp_path / "server.log"
+    proc = spawn_server(port, log)
     try:
         seen_not_serving = False
         deadline = time.monotonic() + 300
@@ -70,7 +49,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server) -> None:  
                 seen_not_serving = True
             if status == health_pb2.HealthCheckResponse.SERVING:
                 break
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
             time.sleep(0.2)
         else:
             pytest.fail("the server never became SERVING")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -16,7 +14,7 @@ import grpc
 import pytest
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
-from integration.helpers import request, run_stream
+from integration.helpers import request, run_stream, spawn_server
 from integration.test_lifecycle import free_port, health_status
 
 pytestmark = pytest.mark.engine
@@ -40,30 +38,11 @@ def served(metrics_port: int) -> float:
     )
 
 
-def test_round_robin_over_two_replicas_and_drain(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_round_robin_over_two_replicas_and_drain(live_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
     replicas = []
     for _ in range(2):
         port, metrics = free_port(), free_port()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pyserver.cli",
-                "serve",
-                "--port",
-                str(port),
-                "--max-num-seqs",
-                "4",
-                "--metrics-port",
-                str(metrics),
-                "--drain-grace-s",
-                "60",
-                "--log-level",
-                "WARNING",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        proc = spawn_server(port, tmp_path / f"replica-{port}.log", "--metrics-port", str(metrics))
         replicas.append((port, metrics, proc))
     try:
         deadline = time.monotonic() + 400
