@@ -55,8 +55,6 @@ class EngineOptions:
 
 @dataclass(slots=True)
 class EngineStats:
-    running: int = 0
-    kv_cache_usage: float = 0.0
     steps: int = 0
     requests_added: int = 0
     max_batch_seen: int = 0
@@ -220,6 +218,16 @@ class EngineWorker:
         with self._aborts_lock:
             self._aborts.append(handle)
 
+    @property
+    def running(self) -> int:
+        """Requests in the engine now (read from any thread; derived, never a stale copy)."""
+        return len(self._running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """KV tokens reserved by running requests (prompt + max_tokens) over the capacity."""
+        return self._reserved_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
+
     def retry_after_ms(self) -> int:
         """A hint for RESOURCE_EXHAUSTED: the time the engine needs to work through the queue
         at its current concurrency, from the measured mean request duration."""
@@ -284,7 +292,6 @@ class EngineWorker:
         )
         if free <= 0 or room <= 0:
             free, room = 0, 0  # still reap expiries and cancellations
-            timeout = 0.0 if self._running else _IDLE_WAIT_S
         result = self.queue.pop_batch(free, room, timeout)
         out: list[tuple[Mailbox, Delta]] = []
         if result.expired:
@@ -385,9 +392,6 @@ class EngineWorker:
         if ctl is not None:
             self.concurrency_limit = ctl.update()
         out.extend(self._expire_running(now))
-        self.stats.running = len(self._running)
-        if self.kv_capacity_tokens:
-            self.stats.kv_cache_usage = self._reserved_tokens / self.kv_capacity_tokens
         if out:
             self._deliver(out)
 

@@ -184,8 +184,8 @@ class StreambatchServer:
         stats = w.queue.stats()
         return LoadSnapshot(
             queued_by_priority=[sum(level) for level in stats.depth],
-            running=w.stats.running,
-            kv_cache_usage=w.stats.kv_cache_usage,
+            running=w.running,
+            kv_cache_usage=w.kv_cache_usage,
             concurrency_limit=w.concurrency_limit,
             oldest_wait_s=stats.oldest_wait_ns / 1e9,
         )

@@ -189,8 +189,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         stats = self._worker.queue.stats()
         return pb.Load(
             queued_by_priority=[sum(level) for level in stats.depth],
-            running=self._worker.stats.running,
-            kv_cache_usage=self._worker.stats.kv_cache_usage,
+            running=self._worker.running,
+            kv_cache_usage=self._worker.kv_cache_usage,
             concurrency_limit=self._worker.concurrency_limit,
             serving=self.serving,
         )

@@ -155,11 +155,12 @@ def test_cancel_mid_stream_frees_the_engine(live_server) -> None:  # type: ignor
     for received, _ in enumerate(call, start=1):
         if received == 3:
             break
-    assert wait_until(lambda: live_server.worker._running, 1) or True
+    assert wait_until(lambda: bool(live_server.worker._running), 1)
     cancelled_at = time.monotonic()
     call.cancel()
     assert wait_until(live_server.engine_idle, 1.0), "the engine still holds the request"
     assert time.monotonic() - cancelled_at < 1.0
+    assert s.GetLoad(pb.GetLoadRequest(), timeout=10).running == 0  # no stale count
 
 
 def test_full_queue_gives_resource_exhausted_with_retry_hint(live_server) -> None:  # type: ignore[no-untyped-def]
