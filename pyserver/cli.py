@@ -79,6 +79,20 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
     _add(p, "--drain-grace-s", float, 30.0, "on SIGTERM, how long in-flight calls may finish")
     _add(p, "--reflection", _bool, True, "serve gRPC reflection (for grpcurl)")
+    _add(p, "--max-concurrent-streams", int, 1024, "concurrent calls per client connection")
+    _add(p, "--tls-cert", str, "", "PEM server certificate chain (with --tls-key: TLS)")
+    _add(p, "--tls-key", str, "", "PEM private key of --tls-cert")
+    _add(p, "--tls-client-ca", str, "", "PEM CA bundle: require client certificates (mTLS)")
+    _add(
+        p,
+        "--auth-token-file",
+        str,
+        "",
+        "bearer tokens, one per line (also $STREAMBATCH_AUTH_TOKENS, comma-separated); "
+        "set: every call but health needs 'authorization: Bearer <token>'",
+    )
+    # Test-only fault injection (reliability tests); hidden from --help.
+    _add(p, "--test-fault-after-steps", int, 0, argparse.SUPPRESS)
     _add(p, "--latency-slo-ms", float, 0.0, "adaptive batch controller target p99 (0: off)")
     _add(p, "--controller-metric", str, "itl", "latency the controller watches: ttft, itl or e2e")
     _add(p, "--tracing", str, "off", "off, console or otlp (configured by the OTEL_* variables)")
@@ -103,6 +117,11 @@ def _client_parser(sub: Any) -> None:
     )
     i = sub.add_parser("info", help="print server info and load")
     _add(i, "--target", str, DEFAULT_TARGET, "server address")
+    for client in (g, i):
+        _add(client, "--tls-ca", str, "", "PEM CA that signed the server certificate (TLS)")
+        _add(client, "--tls-cert", str, "", "PEM client certificate (mutual TLS)")
+        _add(client, "--tls-key", str, "", "PEM private key of --tls-cert")
+        _add(client, "--token", str, "", "bearer token (needs TLS)")
     m = sub.add_parser("model", help="manage the embedded default model")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     pull = msub.add_parser("pull", help="download and convert the default model (idempotent)")
@@ -155,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
     _prepare_engine_env(args)
 
     from pyserver.engine import EngineOptions
+    from pyserver.service.security import load_tokens
     from pyserver.service.server import ServerSettings, StreambatchServer
 
     settings = ServerSettings(
@@ -190,6 +210,12 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         reflection=args.reflection,
+        max_concurrent_streams=args.max_concurrent_streams,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        auth_tokens=load_tokens(args.auth_token_file),
+        fault_after_steps=args.test_fault_after_steps,
     )
 
     async def run() -> int:

@@ -228,6 +228,14 @@ class EngineWorker:
         """KV tokens reserved by running requests (prompt + max_tokens) over the capacity."""
         return self._reserved_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
 
+    def engine_kv_usage(self) -> float | None:
+        """vLLM's own KV block usage (0..1) when the engine core runs in this process; None when
+        it runs in its own process. Blocks kept only for the prefix cache count as free."""
+        core = getattr(getattr(self._engine, "engine_core", None), "engine_core", None)
+        scheduler = getattr(core, "scheduler", None)
+        manager = getattr(scheduler, "kv_cache_manager", None)
+        return float(manager.usage) if manager is not None else None
+
     def retry_after_ms(self) -> int:
         """A hint for RESOURCE_EXHAUSTED: the time the engine needs to work through the queue
         at its current concurrency, from the measured mean request duration."""

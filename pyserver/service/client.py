@@ -4,11 +4,31 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
 from streambatch.v1 import generation_pb2 as pb
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """Plaintext, or TLS when --tls-ca is given (plus a client certificate for mTLS); a bearer
+    token from --token rides on every call."""
+    if not args.tls_ca:
+        if args.token:
+            raise SystemExit("--token needs --tls-ca: tokens are not sent over plaintext")
+        return grpc.insecure_channel(args.target)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=Path(args.tls_ca).read_bytes(),
+        private_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
+        certificate_chain=Path(args.tls_cert).read_bytes() if args.tls_cert else None,
+    )
+    if args.token:
+        creds = grpc.composite_channel_credentials(
+            creds, grpc.access_token_call_credentials(args.token)
+        )
+    return grpc.secure_channel(args.target, creds)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -22,7 +42,7 @@ def generate(args: argparse.Namespace) -> int:
     request.sampling.temperature = args.temperature
     request.sampling.top_p = args.top_p
     request.priority = args.priority
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             last = None
@@ -46,7 +66,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def info(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)

@@ -26,6 +26,11 @@ from pyserver.batching import make_config
 from pyserver.engine import EngineOptions, EngineWorker, build_engine
 from pyserver.scheduling import AdaptiveBatchController
 from pyserver.service.convert import Limits
+from pyserver.service.security import (
+    BearerAuthInterceptor,
+    MalformedFrameInterceptor,
+    server_credentials,
+)
 from pyserver.service.servicer import GenerationServicer
 from pyserver.telemetry.metrics import LoadSnapshot, Metrics
 from pyserver.telemetry.tracing import RequestTracer, StepTracer, make_tracer_provider
@@ -54,6 +59,11 @@ class ServerSettings:
     max_concurrent_streams: int = 1024
     drain_grace_s: float = 30.0
     reflection: bool = True
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""  # set: mutual TLS, a client certificate signed by this CA required
+    auth_tokens: tuple[bytes, ...] = ()  # non-empty: bearer-token auth on all but health
+    fault_after_steps: int = 0  # test-only: the engine step raises after this many (0: never)
     tracing: str = "off"  # off | console | otlp (OTEL_* variables configure the exporter)
     record_content: bool = False  # prompts/completions in spans: never unless asked
     latency_slo_ms: float = 0.0  # > 0 turns the adaptive batch controller on
@@ -89,12 +99,22 @@ class StreambatchServer:
     async def start(self, *, engine: Any | None = None) -> None:
         """Open the port, then load the engine (off the loop) and turn SERVING."""
         s = self.settings
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if s.auth_tokens:
+            interceptors.append(BearerAuthInterceptor(s.auth_tokens))
+        interceptors.append(MalformedFrameInterceptor())
+        credentials = server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
         self._server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", s.max_message_bytes),
                 ("grpc.max_send_message_length", s.max_message_bytes),
                 ("grpc.max_concurrent_streams", s.max_concurrent_streams),
-            ]
+                # A peer that vanished without closing its socket (power loss, partition) is
+                # found by keepalive pings, and its streams are cancelled like any other.
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+            ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if s.reflection:
@@ -108,7 +128,11 @@ class StreambatchServer:
             )
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _NOT_SERVING)
-        self.port = self._server.add_insecure_port(f"{s.host}:{s.port}")
+        address = f"{s.host}:{s.port}"
+        if credentials is None:
+            self.port = self._server.add_insecure_port(address)
+        else:
+            self.port = self._server.add_secure_port(address, credentials)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {s.host}:{s.port}")
         # The servicer is registered before the engine exists so calls during start get a clear
@@ -138,6 +162,7 @@ class StreambatchServer:
             metrics=self.metrics,
             step_tracer=step_tracer if step_tracer.enabled else None,
             controller=controller,
+            step_hook=_fault_after(s.fault_after_steps) if s.fault_after_steps else None,
         )
         self.worker.on_failure = self._on_engine_failure
         limits = self._limits(self.worker)
@@ -229,6 +254,24 @@ class StreambatchServer:
     async def wait(self) -> int:
         await self._stopped.wait()
         return self.exit_code
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault hook (--test-fault-after-steps)."""
+
+
+def _fault_after(steps: int) -> Any:
+    """A step hook that lets `steps` engine steps run, then raises on every later one."""
+    count = 0
+
+    def hook() -> None:
+        nonlocal count
+        count += 1
+        if count > steps:
+            log.error("injected engine fault after %d steps (test hook)", steps)
+            raise InjectedFault(f"injected fault after {steps} engine steps")
+
+    return hook
 
 
 class _StartingServicer(pb_grpc.GenerationServicer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streambatch.v1 import generation_pb2 as pb
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
@@ -89,3 +91,43 @@ def spawn_server(port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     ]
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health_status(channel: grpc.Channel) -> int | None:
+    try:
+        return (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(), timeout=2)
+            .status
+        )
+    except grpc.RpcError:
+        return None
+
+
+def wait_serving(
+    channel: grpc.Channel, proc: subprocess.Popen[bytes], log: Path, limit_s: float = 300
+) -> bool:
+    """Poll health until SERVING; True when NOT_SERVING was seen on the way (engine loading)."""
+    seen_not_serving = False
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        status = health_status(channel)
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            seen_not_serving = True
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            return seen_not_serving
+        assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+        time.sleep(0.2)
+    raise AssertionError("the server never became SERVING")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

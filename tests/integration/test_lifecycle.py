@@ -3,35 +3,25 @@
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from integration.helpers import request, run_stream, spawn_server, stub
+from integration.helpers import (
+    free_port,
+    health_status,
+    request,
+    run_stream,
+    spawn_server,
+    stop,
+    stub,
+    wait_serving,
+)
 
 pytestmark = pytest.mark.engine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def health_status(target: str) -> int | None:
-    with grpc.insecure_channel(target) as ch:
-        try:
-            return (
-                health_pb2_grpc.HealthStub(ch)
-                .Check(health_pb2.HealthCheckRequest(), timeout=2)
-                .status
-            )
-        except grpc.RpcError:
-            return None
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -41,18 +31,8 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
     log = tmp_path / "server.log"
     proc = spawn_server(port, log)
     try:
-        seen_not_serving = False
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            status = health_status(target)
-            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                seen_not_serving = True
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                break
-            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
-            time.sleep(0.2)
-        else:
-            pytest.fail("the server never became SERVING")
+        channel = grpc.insecure_channel(target)
+        seen_not_serving = wait_serving(channel, proc, log)
         assert seen_not_serving, "health should be NOT_SERVING while the engine loads"
 
         s = stub(target)
@@ -70,7 +50,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         time.sleep(1.0)  # the streams are in flight
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        assert health_status(target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
         late = run_stream(s, request("new call during drain", max_tokens=4))
         assert late.code == grpc.StatusCode.UNAVAILABLE
         for t in streams:
@@ -79,6 +59,4 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         assert all(r.last.usage.completion_tokens == 40 for r in results)
         assert proc.wait(120) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop(proc)

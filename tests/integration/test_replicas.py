@@ -14,8 +14,7 @@ import grpc
 import pytest
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
-from integration.helpers import request, run_stream, spawn_server
-from integration.test_lifecycle import free_port, health_status
+from integration.helpers import free_port, health_status, request, run_stream, spawn_server, stop
 
 pytestmark = pytest.mark.engine
 
@@ -47,7 +46,7 @@ def test_round_robin_over_two_replicas_and_drain(live_server, tmp_path) -> None:
     try:
         deadline = time.monotonic() + 400
         for port, _, proc in replicas:
-            while health_status(f"127.0.0.1:{port}") != 1:  # SERVING
+            while health_status(grpc.insecure_channel(f"127.0.0.1:{port}")) != 1:  # SERVING
                 assert proc.poll() is None and time.monotonic() < deadline, "replica did not start"
                 time.sleep(0.5)
         target = "ipv4:" + ",".join(f"127.0.0.1:{p}" for p, _, _ in replicas)
@@ -70,7 +69,8 @@ def test_round_robin_over_two_replicas_and_drain(live_server, tmp_path) -> None:
         holder.start()
         time.sleep(1.0)
         proc0.send_signal(signal.SIGTERM)
-        while health_status(f"127.0.0.1:{port0}") == 1:
+        channel0 = grpc.insecure_channel(f"127.0.0.1:{port0}")
+        while health_status(channel0) == 1:
             time.sleep(0.1)
         time.sleep(1.0)  # the channel's health watch sees NOT_SERVING
         before0, before1 = served(metrics0), served(metrics1)
@@ -82,6 +82,4 @@ def test_round_robin_over_two_replicas_and_drain(live_server, tmp_path) -> None:
         assert proc0.wait(120) == 0
     finally:
         for _, _, proc in replicas:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            stop(proc)

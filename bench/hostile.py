@@ -1,0 +1,189 @@
+"""Hostile input for the fuzz test and the soak: hypothesis strategies over every request field
+plus raw malformed frames, sent to a live server with bounded concurrency.
+
+Every case must end in OK or a precise client status (INVALID_ARGUMENT, OUT_OF_RANGE,
+RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED); INTERNAL, UNKNOWN or a hang is a bug. Cases are sent
+asynchronously (up to `concurrency` in flight) so thousands fit in a CI run: most are refused by
+validation in a millisecond, the valid ones share engine steps.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from streambatch.v1 import generation_pb2 as pb
+
+ALLOWED = frozenset(
+    {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+GENERATE = "/streambatch.v1.Generation/Generate"
+COMPLETE = "/streambatch.v1.Generation/Complete"
+
+floats = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+    st.sampled_from([0.0, -0.0, 1.0, 0.5, -1.0, 2.0, 1e30, math.nan, math.inf]),
+)
+odd_text = st.one_of(
+    st.text(max_size=64),
+    st.sampled_from(
+        ["", " ", "\x00", "\u202e\u200b", "😀" * 50, "a" * 70_000, "\ud7ff\ue000", "\ufeff" * 9]
+    ),
+)
+token_ids = st.lists(st.one_of(st.integers(0, 49151), st.integers(0, 2**32 - 1)), max_size=40)
+messages = st.lists(
+    st.tuples(st.sampled_from(["user", "system", "assistant", "robot", ""]), odd_text), max_size=4
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> pb.GenerateRequest:
+    req = pb.GenerateRequest()
+    kind = draw(st.sampled_from(["text", "token_ids", "chat", "none"]))
+    if kind == "text":
+        req.text = draw(odd_text)
+    elif kind == "token_ids":
+        req.token_ids.ids.extend(draw(token_ids))
+    elif kind == "chat":
+        for role, content in draw(messages):
+            req.chat.messages.add(role=role, content=content)
+        if draw(st.booleans()):
+            req.chat.add_generation_prompt = draw(st.booleans())
+    s = req.sampling
+    # Short outputs keep valid requests cheap on the CPU engine; the large values probe limits.
+    s.max_tokens = draw(st.sampled_from([1, 2, 3, 2047, 2048, 5000, 10**6, 2**32 - 1]))
+    for name in (
+        "temperature",
+        "top_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
+        if draw(st.booleans()):
+            setattr(s, name, draw(floats))
+    if draw(st.booleans()):
+        s.top_k = draw(st.integers(-(2**31), 2**31 - 1))
+    if draw(st.booleans()):
+        s.seed = draw(st.integers(0, 2**64 - 1))
+    s.stop.extend(draw(st.lists(odd_text, max_size=10)))
+    s.ignore_eos = draw(st.booleans())
+    s.min_tokens = draw(st.sampled_from([0, 1, 5, 2**32 - 1]))
+    req.priority = draw(st.sampled_from([0, 1, 2, 2**32 - 1]))
+    req.request_id = draw(st.one_of(st.just(""), odd_text))
+    req.queue_timeout_ms = draw(st.sampled_from([0, 1, 1000, 2**32 - 1]))
+    return req
+
+
+# Raw frames: random bytes, truncated valid messages, wrong wire types, a bogus huge length.
+raw_frames = st.one_of(
+    st.binary(max_size=256),
+    requests().map(lambda r: r.SerializeToString()[: max(1, len(r.SerializeToString()) // 2)]),
+    st.sampled_from([b"\x0a\xff\xff\xff\xff\x0f", b"\x08", b"\xff" * 16, b"\x12\x05ab", b""]),
+)
+
+
+@dataclass
+class FuzzReport:
+    cases: int = 0
+    codes: Counter[str] = field(default_factory=Counter)
+    bad: list[tuple[str, str, str]] = field(default_factory=list)  # (code, details, case)
+
+    @property
+    def internal_errors(self) -> int:
+        return len(self.bad)
+
+
+class _Sender:
+    """Fires calls as futures, at most `concurrency` in flight, and classifies each ending."""
+
+    def __init__(self, channel: grpc.Channel, concurrency: int, timeout_s: float) -> None:
+        identity = lambda b: b  # noqa: E731 - frames are sent as given
+        self._complete = channel.unary_unary(
+            COMPLETE, request_serializer=identity, response_deserializer=identity
+        )
+        self._slots = threading.BoundedSemaphore(concurrency)
+        self._lock = threading.Lock()
+        self._timeout = timeout_s
+        self._pending: list[grpc.Future] = []
+        self.report = FuzzReport()
+
+    def send(self, frame: bytes, label: str) -> None:
+        self._slots.acquire()
+        fut = self._complete.future(frame, timeout=self._timeout)
+        fut.add_done_callback(lambda f: self._done(f, label))
+        with self._lock:
+            self._pending.append(fut)
+
+    def _done(self, fut: grpc.Future, label: str) -> None:
+        try:
+            err = fut.exception()
+            code = grpc.StatusCode.OK if err is None else err.code()  # type: ignore[attr-defined]
+            details = "" if err is None else err.details() or ""  # type: ignore[attr-defined]
+            with self._lock:
+                self.report.cases += 1
+                self.report.codes[code.name] += 1
+                precise = code in ALLOWED and (
+                    code != grpc.StatusCode.INVALID_ARGUMENT or ":" in details
+                )
+                if not precise:
+                    self.report.bad.append((code.name, details, label[:300]))
+        finally:
+            self._slots.release()
+
+    def wait(self, limit_s: float) -> None:
+        """Every sent case must end; a call still open past its own deadline is a hang."""
+        with self._lock:
+            pending = list(self._pending)
+        for fut in pending:
+            try:
+                fut.result(timeout=limit_s)
+            except grpc.RpcError:
+                pass  # classified in the callback
+            except grpc.FutureTimeoutError:
+                with self._lock:
+                    self.report.bad.append(("HUNG", "no answer", "?"))
+
+
+def fuzz(
+    channel: grpc.Channel,
+    examples: int,
+    *,
+    raw_share: float = 0.1,
+    concurrency: int = 16,
+    timeout_s: float = 20.0,
+) -> FuzzReport:
+    """Send `examples` hypothesis-generated requests (plus raw malformed frames, raw_share of
+    that number) and classify how each ended."""
+    sender = _Sender(channel, concurrency, timeout_s)
+    opts = settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+    @opts
+    @given(req=requests())
+    def structured(req: pb.GenerateRequest) -> None:
+        sender.send(req.SerializeToString(), repr(req))
+
+    @settings(opts, max_examples=max(1, int(examples * raw_share)))
+    @given(frame=raw_frames)
+    def raw(frame: bytes) -> None:
+        sender.send(frame, "raw " + frame[:64].hex())
+
+    structured()
+    raw()
+    sender.wait(timeout_s + 30)
+    return sender.report
