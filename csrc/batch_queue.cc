@@ -262,49 +262,59 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
   }
   if (head_bucket < 0) return;
 
+  // Merge the FIFO heads by (effective priority desc, bucket distance, bucket, arrival). Each
+  // FIFO is already in that order (older entries are both earlier and more aged), and `now` is
+  // fixed for the whole selection, so a FIFO's key changes only when its own head is taken:
+  // keys are computed once and refreshed for that one FIFO per pick.
+  auto& keys = head_keys_;
+  keys.resize(fifos_.size());
+  auto refresh = [&](size_t index) {
+    const auto& q = fifos_[index];
+    HeadKey& k = keys[index];
+    k.live = !q.empty();
+    if (!k.live) return;
+    const int p = static_cast<int>(index / bucket_count_);
+    const int b = static_cast<int>(index % bucket_count_);
+    k.eff = effective_priority(p, q.front().enqueued_ns, now);
+    k.dist = std::abs(b - head_bucket);
+    k.bucket = b;
+    k.seq = q.front().seq;
+  };
+  for (size_t i = 0; i < fifos_.size(); ++i) refresh(i);
+
   std::int64_t tokens = 0;
   while (static_cast<std::int64_t>(out.size()) < max_requests) {
-    // Merge the FIFO heads by (effective priority desc, bucket distance, bucket, arrival).
-    // Each FIFO is already in that order: older entries are both earlier and more aged.
-    std::deque<Slot>* pick = nullptr;
+    const HeadKey* pick = nullptr;
     size_t pick_index = 0;
-    int pick_eff = -1, pick_dist = 0, pick_bucket = 0;
-    std::uint64_t pick_seq = 0;
-    for (int p = 0; p < levels; ++p) {
-      for (int b = 0; b < buckets; ++b) {
-        auto& q = fifo(p, b);
-        if (q.empty()) continue;
-        const int eff = effective_priority(p, q.front().enqueued_ns, now);
-        const int dist = std::abs(b - head_bucket);
-        const std::uint64_t seq = q.front().seq;
-        const bool better =
-            pick == nullptr || eff > pick_eff ||
-            (eff == pick_eff &&
-             (dist < pick_dist ||
-              (dist == pick_dist && (b < pick_bucket || (b == pick_bucket && seq < pick_seq)))));
-        if (better) {
-          pick = &q;
-          pick_index = static_cast<size_t>(p) * bucket_count_ + static_cast<size_t>(b);
-          pick_eff = eff;
-          pick_dist = dist;
-          pick_bucket = b;
-          pick_seq = seq;
-        }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const HeadKey& k = keys[i];
+      if (!k.live) continue;
+      const bool better =
+          pick == nullptr || k.eff > pick->eff ||
+          (k.eff == pick->eff &&
+           (k.dist < pick->dist ||
+            (k.dist == pick->dist &&
+             (k.bucket < pick->bucket || (k.bucket == pick->bucket && k.seq < pick->seq)))));
+      if (better) {
+        pick = &k;
+        pick_index = i;
       }
     }
     if (pick == nullptr) break;
-    const Slot slot = pick->front();
+    auto& q = fifos_[pick_index];
+    const Slot slot = q.front();
     if (tokens + slot.cost > max_tokens) break;  // no overtaking past a request that does not fit
     tokens += slot.cost;
     out.push_back(slot.id);
     // The head is live by invariant: remove it without a tombstone (one hash operation).
     const auto level = pick_index / bucket_count_;
-    pick->pop_front();
+    q.pop_front();
     entries_.erase(slot.id);
     --level_size_[level];
     --depth_[pick_index];
     queued_tokens_ -= slot.cost;
     drop_dead_heads_locked(pick_index);
+    refresh(pick_index);
   }
 }
 

@@ -164,6 +164,14 @@ class BatchQueue {
     Nanos enqueued_ns;
     std::int64_t cost;
   };
+  // Ordering key of one FIFO's head during a selection (scratch, reused across pops).
+  struct HeadKey {
+    bool live = false;
+    int eff = 0;
+    int dist = 0;
+    int bucket = 0;
+    std::uint64_t seq = 0;
+  };
   struct DeadlineItem {
     Nanos deadline_ns;
     RequestId id;
@@ -200,6 +208,7 @@ class BatchQueue {
   std::vector<std::int64_t> depth_;       // live slots per FIFO [priority * bucket_count_ + bucket]
   std::vector<std::int64_t> tombstones_;  // dead slots per FIFO; 0 lets selection skip lookups
   std::vector<RequestId> cancelled_;
+  std::vector<HeadKey> head_keys_;
   std::int64_t queued_tokens_ = 0;
   std::uint64_t next_seq_ = 0;
   Nanos window_start_ns_ = -1;  // -1: no window open

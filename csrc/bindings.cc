@@ -35,6 +35,47 @@ py::object push_or_raise(BatchQueue& q, RequestId id, std::int64_t prompt_tokens
   return status_objects()[static_cast<size_t>(r.status)];
 }
 
+// The hot path: push(id, prompt_tokens, max_new_tokens[, priority[, deadline_ns]]) with plain
+// positional ints, as a METH_FASTCALL method. pybind11's generic dispatcher (argument vector,
+// casters, overload walk) costs several times the queue operation itself; this entry converts
+// the ints directly and hands anything else (keywords, non-ints, out-of-range values) to the
+// checked pybind11 overloads in `_push`, which raise the precise ValueError.
+PyObject* slow_push(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  py::object checked = py::reinterpret_borrow<py::object>(self).attr("_push");
+  return PyObject_Vectorcall(checked.ptr(), args, static_cast<size_t>(nargs), kwnames);
+}
+
+PyObject* fast_push(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  if (kwnames != nullptr || nargs < 3 || nargs > 5) return slow_push(self, args, nargs, kwnames);
+  std::int64_t v[5] = {0, 0, 0, 0, 0};
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    if (!PyLong_CheckExact(args[i])) return slow_push(self, args, nargs, kwnames);
+    int overflow = 0;
+    v[i] = PyLong_AsLongLongAndOverflow(args[i], &overflow);
+    if (overflow != 0) return slow_push(self, args, nargs, kwnames);
+  }
+  if (v[3] < INT32_MIN || v[3] > INT32_MAX) return slow_push(self, args, nargs, kwnames);
+  BatchQueue* q = nullptr;
+  try {
+    q = py::cast<BatchQueue*>(py::handle(self));
+  } catch (const py::cast_error&) {
+    PyErr_SetString(PyExc_TypeError, "push() needs a BatchQueue");
+    return nullptr;
+  }
+  PushResult r = q->push(v[0], v[1], v[2], static_cast<int>(v[3]), v[4]);
+  if (r.status == PushStatus::kInvalid) {
+    PyErr_SetString(PyExc_ValueError, r.reason.c_str());
+    return nullptr;
+  }
+  return status_objects()[static_cast<size_t>(r.status)].inc_ref().ptr();
+}
+
+PyMethodDef fast_push_def = {
+    "push", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_push)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "push(id, prompt_tokens, max_new_tokens, priority=0, deadline_ns=0) -> PushStatus\n\n"
+    "Never blocks. Raises ValueError for an invalid value."};
+
 [[noreturn]] void reject_push(const py::args&, const py::kwargs&) {
   throw py::value_error(
       "push(id, prompt_tokens, max_new_tokens, priority=0, deadline_ns=0) takes integers: "
@@ -119,7 +160,8 @@ PYBIND11_MODULE(_core, m) {
         return out;
       });
 
-  py::class_<BatchQueue>(m, "BatchQueue")
+  py::class_<BatchQueue> queue(m, "BatchQueue");
+  queue
       .def(py::init([](const QueueConfig& c, std::shared_ptr<Clock> clock) {
              try {
                return new BatchQueue(c, std::move(clock));
@@ -128,9 +170,9 @@ PYBIND11_MODULE(_core, m) {
              }
            }),
            py::arg("config"), py::arg("clock") = nullptr)
-      .def("push", &push_or_raise, py::arg("id"), py::arg("prompt_tokens"),
+      .def("_push", &push_or_raise, py::arg("id"), py::arg("prompt_tokens"),
            py::arg("max_new_tokens"), py::arg("priority") = 0, py::arg("deadline_ns") = 0)
-      .def("push", &reject_push)  // reached only when the arguments are not valid integers
+      .def("_push", &reject_push)  // reached only when the arguments are not valid integers
       .def(
           "pop_batch",
           [](BatchQueue& q, std::int64_t max_requests, std::int64_t max_tokens, double timeout) {
@@ -148,6 +190,13 @@ PYBIND11_MODULE(_core, m) {
       .def("bucket_of", &BatchQueue::bucket_of)
       .def_property_readonly("config", [](const BatchQueue& q) { return q.config(); })
       .def_property_readonly("closed", &BatchQueue::closed);
+
+  {
+    auto* type = reinterpret_cast<PyTypeObject*>(queue.ptr());
+    py::object descr = py::reinterpret_steal<py::object>(PyDescr_NewMethod(type, &fast_push_def));
+    if (!descr) throw py::error_already_set();
+    queue.attr("push") = descr;
+  }
 
   m.def("push_status_name", [](PushStatus s) { return to_string(s); });
 }

@@ -113,6 +113,8 @@ def test_statuses_and_stats() -> None:
         (("x", 1, 1, 0, 0), "takes integers"),
         ((1, 1.5, 1, 0, 0), "takes integers"),
         ((1, None, 1, 0, 0), "takes integers"),
+        ((1, 1), "takes integers"),
+        ((1, 1, 1, 0, 0, 0), "takes integers"),
     ],
 )
 def test_bad_push_values_raise_value_error(args: tuple[object, ...], message: str) -> None:
@@ -120,6 +122,18 @@ def test_bad_push_values_raise_value_error(args: tuple[object, ...], message: st
     with pytest.raises(ValueError, match=message):
         q.push(*args)  # type: ignore[arg-type]
     assert q.push(1, 1, 1) == PushStatus.ACCEPTED  # still usable
+
+
+def test_keyword_and_positional_push_agree() -> None:
+    """push() has a fast path for positional ints; keywords go through the checked path."""
+    q = BatchQueue(quiet_config(), ManualClock())
+    assert q.push(1, 5, 5, 1, 0) == PushStatus.ACCEPTED
+    assert q.push(id=2, prompt_tokens=5, max_new_tokens=5, priority=1) == PushStatus.ACCEPTED
+    assert q.push(2, 5, 5) == PushStatus.DUPLICATE_ID
+    assert q.push(id=1, prompt_tokens=5, max_new_tokens=5) == PushStatus.DUPLICATE_ID
+    with pytest.raises(ValueError, match="priority must be in"):
+        q.push(id=3, prompt_tokens=5, max_new_tokens=5, priority=9)
+    assert q.pop_batch(8, 1 << 20).admitted == [1, 2]
 
 
 @pytest.mark.parametrize(
