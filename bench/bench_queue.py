@@ -17,7 +17,7 @@ from pathlib import Path
 
 # numpy is here only for percentiles; its BLAS worker threads would compete for the two cores.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from queue_ref import ReferenceQueue
