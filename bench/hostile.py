@@ -47,41 +47,83 @@ messages = st.lists(
 )
 
 
+HOSTILE_FIELDS = (
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "penalties",
+    "top_k",
+    "seed",
+    "stop",
+    "min_tokens",
+    "priority",
+    "request_id",
+    "queue_timeout_ms",
+)
+sane_text = st.text(
+    st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=40
+)
+
+
 @st.composite
 def requests(draw: st.DrawFn) -> pb.GenerateRequest:
+    """Mostly-sane requests with a few hostile fields each (none in about a quarter of them), so
+    both the validation paths and the engine paths are exercised."""
+    hostile = set(
+        draw(st.one_of(st.just([]), st.lists(st.sampled_from(HOSTILE_FIELDS), max_size=3)))
+    )
     req = pb.GenerateRequest()
-    kind = draw(st.sampled_from(["text", "token_ids", "chat", "none"]))
+    kind = draw(st.sampled_from(["text", "token_ids", "chat", "none"] if "prompt" in hostile
+                                else ["text", "token_ids", "chat"]))  # fmt: skip
     if kind == "text":
-        req.text = draw(odd_text)
+        req.text = draw(odd_text if "prompt" in hostile else sane_text)
     elif kind == "token_ids":
-        req.token_ids.ids.extend(draw(token_ids))
+        req.token_ids.ids.extend(
+            draw(token_ids if "prompt" in hostile else st.lists(st.integers(0, 49151), min_size=1))
+        )
     elif kind == "chat":
-        for role, content in draw(messages):
+        pairs = draw(
+            messages
+            if "prompt" in hostile
+            else st.lists(st.tuples(st.just("user"), sane_text), min_size=1, max_size=2)
+        )
+        for role, content in pairs:
             req.chat.messages.add(role=role, content=content)
         if draw(st.booleans()):
             req.chat.add_generation_prompt = draw(st.booleans())
     s = req.sampling
     # Short outputs keep valid requests cheap on the CPU engine; the large values probe limits.
-    s.max_tokens = draw(st.sampled_from([1, 2, 3, 2047, 2048, 5000, 10**6, 2**32 - 1]))
-    for name in (
-        "temperature",
-        "top_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    ):
-        if draw(st.booleans()):
-            setattr(s, name, draw(floats))
-    if draw(st.booleans()):
+    s.max_tokens = draw(
+        st.sampled_from([0, 2047, 2048, 5000, 10**6, 2**32 - 1])
+        if "max_tokens" in hostile
+        else st.integers(1, 3)
+    )
+    if "temperature" in hostile:
+        s.temperature = draw(floats)
+    elif draw(st.booleans()):
+        s.temperature = draw(st.floats(0.0, 2.0))
+    if "top_p" in hostile:
+        s.top_p = draw(floats)
+    if "penalties" in hostile:
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if draw(st.booleans()):
+                setattr(s, name, draw(floats))
+    if "top_k" in hostile:
         s.top_k = draw(st.integers(-(2**31), 2**31 - 1))
-    if draw(st.booleans()):
+    if "seed" in hostile or draw(st.booleans()):
         s.seed = draw(st.integers(0, 2**64 - 1))
-    s.stop.extend(draw(st.lists(odd_text, max_size=10)))
+    s.stop.extend(draw(st.lists(odd_text, max_size=10) if "stop" in hostile else st.just([])))
     s.ignore_eos = draw(st.booleans())
-    s.min_tokens = draw(st.sampled_from([0, 1, 5, 2**32 - 1]))
-    req.priority = draw(st.sampled_from([0, 1, 2, 2**32 - 1]))
-    req.request_id = draw(st.one_of(st.just(""), odd_text))
-    req.queue_timeout_ms = draw(st.sampled_from([0, 1, 1000, 2**32 - 1]))
+    if "min_tokens" in hostile:
+        s.min_tokens = draw(st.sampled_from([1, 5, 2**32 - 1]))
+    req.priority = draw(
+        st.sampled_from([2, 7, 2**32 - 1]) if "priority" in hostile else st.sampled_from([0, 1])
+    )
+    if "request_id" in hostile:
+        req.request_id = draw(odd_text)
+    if "queue_timeout_ms" in hostile:
+        req.queue_timeout_ms = draw(st.sampled_from([1, 1000, 2**32 - 1]))
     return req
 
 
