@@ -128,21 +128,58 @@ PushResult BatchQueue::push(RequestId id, std::int64_t prompt_tokens, std::int64
       ++counters_.rejected_full;
       return {PushStatus::kQueueFull, "level"};
     }
-    const int bucket = bucket_of(prompt_tokens);
-    const std::uint64_t seq = next_seq_++;
-    entries_.emplace(id, Entry{prompt_tokens, max_new_tokens, priority, bucket, now, deadline_ns,
-                               seq});
-    fifo(priority, bucket).push_back(Slot{id, seq, now, prompt_tokens + max_new_tokens});
-    if (deadline_ns > 0) deadlines_.push(DeadlineItem{deadline_ns, id, seq});
-    ++level_size_[level];
-    ++depth_[level * bucket_count_ + static_cast<size_t>(bucket)];
-    queued_tokens_ += prompt_tokens + max_new_tokens;
+    insert_locked(id,
+                  Entry{prompt_tokens, max_new_tokens, priority, bucket_of(prompt_tokens), now,
+                        deadline_ns, next_seq_++},
+                  /*front=*/false);
     ++counters_.accepted;
-    if (window_start_ns_ < 0) window_start_ns_ = now;
-    if (priority == config_.priority_levels - 1) urgent_pending_ = true;
   }
   cv_.notify_one();
   return {};
+}
+
+PushResult BatchQueue::requeue(RequestId id, std::int64_t prompt_tokens,
+                               std::int64_t max_new_tokens, int priority, Nanos deadline_ns,
+                               Nanos enqueued_ns) {
+  std::string problem = id < 0 ? std::string("id must be >= 0")
+                               : validate(prompt_tokens, max_new_tokens, priority, deadline_ns);
+  const Nanos now = clock_->now_ns();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!problem.empty()) return {PushStatus::kInvalid, std::move(problem)};
+    if (closed_) return {PushStatus::kClosed, "queue is closed"};
+    if (entries_.count(id) != 0) return {PushStatus::kDuplicateId, "id is already queued"};
+    const int bucket = bucket_of(prompt_tokens);
+    // The FIFO stays ordered by arrival: never claim to be older than its current head.
+    const auto& q = fifo(priority, bucket);
+    Nanos since = std::min(enqueued_ns, now);
+    if (!q.empty()) since = std::min(since, q.front().enqueued_ns);
+    insert_locked(id,
+                  Entry{prompt_tokens, max_new_tokens, priority, bucket, since, deadline_ns,
+                        next_front_seq_--},
+                  /*front=*/true);
+    ++counters_.requeued;
+  }
+  cv_.notify_one();
+  return {};
+}
+
+void BatchQueue::insert_locked(RequestId id, const Entry& e, bool front) {
+  entries_.emplace(id, e);
+  const Slot slot{id, e.seq, e.enqueued_ns, e.cost()};
+  auto& q = fifo(e.priority, e.bucket);
+  if (front) {
+    q.push_front(slot);
+  } else {
+    q.push_back(slot);
+  }
+  if (e.deadline_ns > 0) deadlines_.push(DeadlineItem{e.deadline_ns, id, e.seq});
+  const auto level = static_cast<size_t>(e.priority);
+  ++level_size_[level];
+  ++depth_[level * bucket_count_ + static_cast<size_t>(e.bucket)];
+  queued_tokens_ += e.cost();
+  if (window_start_ns_ < 0) window_start_ns_ = e.enqueued_ns;
+  if (e.priority == config_.priority_levels - 1) urgent_pending_ = true;
 }
 
 void BatchQueue::remove_locked(RequestId id, const Entry& e) {
@@ -417,6 +454,14 @@ QueueStats BatchQueue::stats() const {
   s.queued_tokens = queued_tokens_;
   const Nanos oldest = oldest_enqueued_locked();
   s.oldest_wait_ns = oldest == kNever ? 0 : now - oldest;
+  s.oldest_wait_ns_by_level.assign(static_cast<size_t>(config_.priority_levels), 0);
+  for (size_t p = 0; p < s.oldest_wait_ns_by_level.size(); ++p)
+    for (size_t b = 0; b < bucket_count_; ++b) {
+      const auto& q = fifos_[p * bucket_count_ + b];
+      if (!q.empty())
+        s.oldest_wait_ns_by_level[p] =
+            std::max(s.oldest_wait_ns_by_level[p], now - q.front().enqueued_ns);
+    }
   return s;
 }
 

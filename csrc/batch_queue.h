@@ -105,6 +105,7 @@ struct QueueStats {
   std::int64_t size = 0;
   std::int64_t queued_tokens = 0;
   Nanos oldest_wait_ns = 0;
+  std::vector<Nanos> oldest_wait_ns_by_level;  // 0 where the level is empty
   std::int64_t accepted = 0;
   std::int64_t rejected_full = 0;
   std::int64_t rejected_duplicate = 0;
@@ -113,6 +114,7 @@ struct QueueStats {
   std::int64_t expired = 0;
   std::int64_t cancelled = 0;
   std::int64_t admitted = 0;
+  std::int64_t requeued = 0;
   std::vector<std::int64_t> released;  // indexed by ReleaseReason
 };
 
@@ -127,6 +129,15 @@ class BatchQueue {
   // Never blocks. deadline_ns is absolute on this queue's clock; 0 means none.
   [[nodiscard]] PushResult push(RequestId id, std::int64_t prompt_tokens,
                                 std::int64_t max_new_tokens, int priority, Nanos deadline_ns);
+
+  // Puts back a request the caller took out earlier (priority preemption: the engine stopped it
+  // to make room). Not a new arrival, so the capacity limits do not apply; it goes to the front
+  // of its FIFO so it is the next of its level and bucket, and its wait counts from
+  // enqueued_ns (its first arrival) for aging and max-wait. Returns kDuplicateId, kClosed or
+  // kInvalid like push().
+  [[nodiscard]] PushResult requeue(RequestId id, std::int64_t prompt_tokens,
+                                   std::int64_t max_new_tokens, int priority, Nanos deadline_ns,
+                                   Nanos enqueued_ns);
 
   // Blocks up to timeout_ns (on this queue's clock) until a release rule fires.
   // max_requests / max_tokens are the caller's room, capped by the configured batch limits.
@@ -179,6 +190,7 @@ class BatchQueue {
     bool operator>(const DeadlineItem& o) const { return deadline_ns > o.deadline_ns; }
   };
 
+  void insert_locked(RequestId id, const Entry& e, bool front);
   [[nodiscard]] std::string validate(std::int64_t prompt_tokens, std::int64_t max_new_tokens,
                                      int priority, Nanos deadline_ns) const;
   [[nodiscard]] std::deque<Slot>& fifo(int priority, int bucket) {
@@ -210,7 +222,11 @@ class BatchQueue {
   std::vector<RequestId> cancelled_;
   std::vector<HeadKey> head_keys_;
   std::int64_t queued_tokens_ = 0;
-  std::uint64_t next_seq_ = 0;
+  // Arrivals take increasing sequence numbers from the middle of the range, requeued requests
+  // decreasing ones below it, so a requeued request sorts before every arrival.
+  static constexpr std::uint64_t kFirstSeq = std::uint64_t{1} << 62;
+  std::uint64_t next_seq_ = kFirstSeq;
+  std::uint64_t next_front_seq_ = kFirstSeq - 1;
   Nanos window_start_ns_ = -1;  // -1: no window open
   bool urgent_pending_ = false;
   bool closed_ = false;

@@ -145,6 +145,8 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("size", &QueueStats::size)
       .def_readonly("queued_tokens", &QueueStats::queued_tokens)
       .def_readonly("oldest_wait_ns", &QueueStats::oldest_wait_ns)
+      .def_readonly("oldest_wait_ns_by_level", &QueueStats::oldest_wait_ns_by_level)
+      .def_readonly("requeued", &QueueStats::requeued)
       .def_readonly("accepted", &QueueStats::accepted)
       .def_readonly("rejected_full", &QueueStats::rejected_full)
       .def_readonly("rejected_duplicate", &QueueStats::rejected_duplicate)
@@ -181,6 +183,17 @@ PYBIND11_MODULE(_core, m) {
             return q.pop_batch(max_requests, max_tokens, timeout_ns);
           },
           py::arg("max_requests"), py::arg("max_tokens"), py::arg("timeout") = 0.0)
+      .def(
+          "requeue",
+          [](BatchQueue& q, RequestId id, std::int64_t prompt_tokens, std::int64_t max_new_tokens,
+             int priority, Nanos deadline_ns, Nanos enqueued_ns) {
+            PushResult r =
+                q.requeue(id, prompt_tokens, max_new_tokens, priority, deadline_ns, enqueued_ns);
+            if (r.status == PushStatus::kInvalid) throw py::value_error(r.reason);
+            return r.status;
+          },
+          py::arg("id"), py::arg("prompt_tokens"), py::arg("max_new_tokens"),
+          py::arg("priority"), py::arg("deadline_ns"), py::arg("enqueued_ns"))
       .def("cancel", &BatchQueue::cancel, py::arg("id"))
       .def("close", &BatchQueue::close, py::call_guard<py::gil_scoped_release>())
       .def("stats", &BatchQueue::stats)

@@ -65,6 +65,10 @@ class QueueStats:
     @property
     def oldest_wait_ns(self) -> int: ...
     @property
+    def oldest_wait_ns_by_level(self) -> list[int]: ...
+    @property
+    def requeued(self) -> int: ...
+    @property
     def accepted(self) -> int: ...
     @property
     def rejected_full(self) -> int: ...
@@ -96,6 +100,17 @@ class BatchQueue:
         """Never blocks; raises ValueError for invalid values."""
     def pop_batch(self, max_requests: int, max_tokens: int, timeout: float = 0.0) -> PopResult:
         """Blocks (GIL released) up to `timeout` seconds until a release rule fires."""
+    def requeue(
+        self,
+        id: int,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        priority: int,
+        deadline_ns: int,
+        enqueued_ns: int,
+    ) -> PushStatus:
+        """Put back a request taken out earlier (preemption): no capacity limit, front of its
+        FIFO, waiting since enqueued_ns."""
     def cancel(self, id: int) -> bool: ...
     def close(self) -> None: ...
     def stats(self) -> QueueStats: ...

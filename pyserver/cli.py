@@ -68,6 +68,15 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--engine-process", str, "inproc", "inproc (engine in this process) or separate")
     _add(p, "--priority-levels", int, 2, "priority levels (0 normal .. N-1 most urgent)")
     _add(p, "--queue-capacity", int, 1024, "waiting requests before RESOURCE_EXHAUSTED")
+    _add(p, "--level-capacity", _ints, (), "waiting requests per level, e.g. 48,16 (0: no own cap)")
+    _add(
+        p,
+        "--preempt-after-ms",
+        float,
+        0.0,
+        "stop the lowest-priority running request when a top-priority one has waited this long "
+        "and the engine is full (negative: never)",
+    )
     _add(p, "--bucket-bounds", _ints, (), "prompt-length bucket bounds, e.g. 64,256,1024")
     _add(p, "--batch-window-ms", float, 0.0, "hold the first arrival this long to gather a batch")
     _add(p, "--max-wait-ms", float, 0.0, "release when the oldest waited this long (0: off)")
@@ -198,6 +207,8 @@ def _serve(args: argparse.Namespace) -> int:
         batch_window_s=args.batch_window_ms / 1e3,
         max_wait_s=args.max_wait_ms / 1e3,
         aging_interval_s=args.aging_interval_ms / 1e3,
+        level_capacity=args.level_capacity,
+        preempt_after_s=None if args.preempt_after_ms < 0 else args.preempt_after_ms / 1e3,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
         max_message_bytes=args.max_message_bytes,

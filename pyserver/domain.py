@@ -124,4 +124,7 @@ class WorkItem:
     last_token_ns: int = 0
     finished_ns: int = 0
     completion_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)  # kept to resume after preemption
+    reserved_tokens: int = 0  # KV tokens reserved while in the engine
+    preemptions: int = 0
     span: Any = None  # the call's RPC span, for engine-step span links (opaque here)

@@ -5,6 +5,20 @@ sequence slots under the admitted-concurrency limit, KV tokens), step the engine
 that step's deltas to the event loop in one callback, retire finished, expired and cancelled
 requests. The only module that imports vllm.
 
+Priority preemption (abort and requeue): when a top-priority request has waited longer than
+`preempt_after_s` and the engine has no free slot or KV room, the lowest-priority running
+request is aborted in vLLM and put back at the front of the queue with its generated tokens
+appended to its prompt; when it is admitted again it resumes where it stopped (the prefix cache
+usually holds its KV), and its stream just continues. Measured against vLLM's own priority
+preemption in docs/benchmarks.md: vLLM only preempts when KV blocks run out, never for a free
+sequence slot, so behind a full batch it does not help a top-priority arrival at all.
+
+Deadline-aware admission: the worker keeps running estimates of prefill time and of the time
+per engine step. A request whose deadline cannot be met (queue wait + prefill + max_tokens
+steps, with a margin) is refused at submit, and re-checked when the queue releases it; either
+way it ends DEADLINE_EXCEEDED without having run, so the engine never spends a step on work
+that will be thrown away.
+
 Failure policy: an exception from the engine fails every queued and in-flight request with
 UNAVAILABLE, closes the queue and sets `failed`; the server then turns health NOT_SERVING and
 exits non-zero so its supervisor (systemd, Kubernetes, compose `restart:`) starts a fresh
@@ -15,6 +29,7 @@ memory, worker processes), so we do not try.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -32,6 +47,7 @@ from pyserver.telemetry.tracing import StepTracer
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+_DEADLINE_MARGIN = 1.5  # predicted service time x this must fit before the deadline
 
 
 @dataclass(slots=True)
@@ -140,6 +156,7 @@ class EngineWorker:
         step_tracer: StepTracer | None = None,
         controller: AdaptiveBatchController | None = None,
         step_hook: Callable[[], None] | None = None,
+        preempt_after_s: float | None = 0.0,
     ) -> None:
         self._engine = engine
         self._metrics = metrics or Metrics()
@@ -159,6 +176,12 @@ class EngineWorker:
         self.failed: BaseException | None = None
         self.on_failure: Callable[[BaseException], None] | None = None
         self._step_hook = step_hook  # test-only fault injection; None in production
+        self._preempt_after_ns = None if preempt_after_s is None else int(preempt_after_s * 1e9)
+        self._top_priority = queue_config.priority_levels - 1
+        # Running estimates (EWMA of value and of absolute deviation) for deadline admission.
+        self._step_est = _Estimate()
+        self._prefill_est = _Estimate()
+        _count_engine_preemptions(engine, self._metrics)
         self._items: dict[int, WorkItem] = {}  # every accepted, unfinished request
         self._running: dict[int, WorkItem] = {}  # in the engine (worker thread only)
         self._reserved_tokens = 0  # prompt + max_tokens of running requests
@@ -189,6 +212,7 @@ class EngineWorker:
             raise RequestError(
                 ErrorKind.UNAVAILABLE, "the engine has failed; retry on another replica"
             )
+        self._refuse_if_late(item)
         self._items[item.handle] = item
         cost = len(item.prompt_token_ids) + item.sampling.max_tokens
         status = self.queue.push(
@@ -210,6 +234,33 @@ class EngineWorker:
         if status == PushStatus.CLOSED:
             raise RequestError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         raise RequestError(ErrorKind.INVALID, f"request rejected by the queue ({cost} tokens)")
+
+    def service_estimate_s(self, item: WorkItem) -> float:
+        """Predicted prefill + generation time of `item` from here, 0 before any measurement."""
+        remaining = item.sampling.max_tokens - item.completion_tokens
+        return self._prefill_est.upper() + remaining * self._step_est.upper()
+
+    def _refuse_if_late(self, item: WorkItem) -> None:
+        """Refuse at once a request that cannot finish before its deadline: predicted queue
+        wait (requests ahead at its level or above, over the engine's concurrency) plus its own
+        service time, with a margin."""
+        if not item.deadline_ns:
+            return
+        stats = self.queue.stats()
+        ahead = sum(sum(level) for level in stats.depth[item.priority :])
+        free = max(0, self.concurrency_limit - len(self._running))
+        waves = max(0, ahead - free) / max(1, self.concurrency_limit)
+        wait_s = waves * self._mean_request_s if ahead >= free else 0.0
+        need_s = wait_s + self.service_estimate_s(item) * _DEADLINE_MARGIN
+        left_s = (item.deadline_ns - time.monotonic_ns()) / 1e9
+        if need_s > left_s:
+            self._metrics.deadline_refusals.labels("submit").inc()
+            raise RequestError(
+                ErrorKind.DEADLINE,
+                f"deadline: cannot finish in time (about {need_s * 1e3:.0f} ms needed: "
+                f"{wait_s * 1e3:.0f} ms queue + generation; {max(0.0, left_s) * 1e3:.0f} ms "
+                "left); raise the deadline or lower max_tokens",
+            )
 
     def cancel(self, handle: int) -> None:
         """The client went away: drop it from the queue, or abort it in the engine next step."""
@@ -257,6 +308,7 @@ class EngineWorker:
         try:
             while True:
                 self._apply_aborts()
+                self._preempt_for_top_priority()
                 self._admit()
                 if self._running:
                     self._step()
@@ -330,17 +382,39 @@ class EngineWorker:
             item = self._items.get(h)
             if item is None:
                 continue
-            item.admitted_ns = now
+            if item.deadline_ns and (
+                now + self.service_estimate_s(item) * _DEADLINE_MARGIN * 1e9 > item.deadline_ns
+            ):
+                self._items.pop(h, None)
+                self._metrics.deadline_refusals.labels("admit").inc()
+                err = RequestError(
+                    ErrorKind.DEADLINE,
+                    "deadline: too little time left to finish when the queue released it; "
+                    "the request never ran",
+                )
+                out.append((item.mailbox, Delta(error=err)))
+                continue
+            if not item.admitted_ns:
+                item.admitted_ns = now
+            prompt, sampling = item.prompt_token_ids, item.sampling
+            if item.output_token_ids:  # resuming after a preemption
+                prompt = prompt + item.output_token_ids
+                sampling = dataclasses.replace(
+                    sampling,
+                    max_tokens=sampling.max_tokens - item.completion_tokens,
+                    min_tokens=max(0, sampling.min_tokens - item.completion_tokens),
+                )
             self._engine.add_request(
                 str(h),
-                {"prompt_token_ids": item.prompt_token_ids},
-                _sampling_params(item.sampling),
+                {"prompt_token_ids": prompt},
+                _sampling_params(sampling),
                 priority=-item.priority,
             )
             self._running[h] = item
-            self._reserved_tokens += len(item.prompt_token_ids) + item.sampling.max_tokens
+            item.reserved_tokens = len(prompt) + sampling.max_tokens
+            self._reserved_tokens += item.reserved_tokens
             self.stats.requests_added += 1
-            self._metrics.prompt_tokens.inc(len(item.prompt_token_ids))
+            self._metrics.prompt_tokens.inc(len(prompt))
         if out:
             self._deliver(out)
 
@@ -352,6 +426,7 @@ class EngineWorker:
         self.stats.steps += 1
         now = time.monotonic_ns()
         batch = len(self._running)
+        self._step_est.add((now - started) / 1e9)
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
         m = self._metrics
         m.batch_size.observe(batch)
@@ -370,6 +445,7 @@ class EngineWorker:
             if c.token_ids:
                 if not item.first_token_ns:
                     item.first_token_ns = now
+                    self._prefill_est.add((now - item.admitted_ns) / 1e9)
                     if ctl is not None and ctl.metric == "ttft":
                         ctl.observe((now - item.accepted_ns) / 1e6)
                 else:
@@ -379,13 +455,12 @@ class EngineWorker:
                         ctl.observe(itl_s * 1e3)
                 item.last_token_ns = now
             item.completion_tokens += len(c.token_ids)
+            item.output_token_ids.extend(c.token_ids)
             generated += len(c.token_ids)
             delta = Delta(text=c.text, token_ids=list(c.token_ids))
             if o.finished:
                 delta.finish_reason = "length" if c.finish_reason == "length" else "stop"
-                self._fill_usage(
-                    delta, item, now, len(o.prompt_token_ids or ()), int(o.num_cached_tokens or 0)
-                )
+                self._fill_usage(delta, item, now, int(o.num_cached_tokens or 0))
                 self._mean_request_s += 0.1 * (
                     (now - item.admitted_ns) / 1e9 - self._mean_request_s
                 )
@@ -415,14 +490,58 @@ class EngineWorker:
     def _retire(self, handle: int) -> WorkItem:
         item = self._running.pop(handle)
         self._items.pop(handle, None)
-        self._reserved_tokens -= len(item.prompt_token_ids) + item.sampling.max_tokens
+        self._reserved_tokens -= item.reserved_tokens
         return item
 
+    def _preempt_for_top_priority(self) -> None:
+        """Abort-and-requeue the lowest-priority running requests when top-priority ones have
+        waited past the threshold and the engine has no room for them."""
+        if self._preempt_after_ns is None or not self._running:
+            return
+        free = self.concurrency_limit - len(self._running)
+        room = self.kv_capacity_tokens - self._reserved_tokens if self.kv_capacity_tokens else 1
+        if free > 0 and room > 0:
+            return  # admission will take them this iteration
+        stats = self.queue.stats()
+        top = self._top_priority
+        waiting = sum(stats.depth[top])
+        if not waiting or stats.oldest_wait_ns_by_level[top] < self._preempt_after_ns:
+            return
+        victims = sorted(
+            (it for it in self._running.values() if it.priority < top),
+            key=lambda it: (it.priority, it.completion_tokens),
+        )[: max(1, waiting - max(0, free))]
+        stopped: list[int] = []
+        for item in victims:
+            remaining = item.sampling.max_tokens - item.completion_tokens
+            if remaining <= 0:
+                continue  # finishing this step anyway
+            status = self.queue.requeue(
+                item.handle,
+                len(item.prompt_token_ids) + item.completion_tokens,
+                remaining,
+                item.priority,
+                item.deadline_ns,
+                item.accepted_ns,
+            )
+            if status != PushStatus.ACCEPTED:
+                continue  # closed (draining): let it finish where it is
+            stopped.append(item.handle)
+        if not stopped:
+            return
+        self._engine.abort_request([str(h) for h in stopped])
+        for h in stopped:
+            item = self._running.pop(h)
+            self._reserved_tokens -= item.reserved_tokens
+            item.reserved_tokens = 0
+            item.preemptions += 1
+        self._metrics.preemptions.labels("priority").inc(len(stopped))
+
     @staticmethod
-    def _fill_usage(
-        delta: Delta, item: WorkItem, now: int, prompt_tokens: int, cached: int
-    ) -> None:
-        delta.prompt_tokens = prompt_tokens or len(item.prompt_token_ids)
+    def _fill_usage(delta: Delta, item: WorkItem, now: int, cached: int) -> None:
+        # The client's prompt, also for a request resumed after preemption (whose engine prompt
+        # carried its earlier output).
+        delta.prompt_tokens = len(item.prompt_token_ids)
         delta.completion_tokens = item.completion_tokens
         delta.cached_tokens = cached
         delta.queue_ms = (item.admitted_ns - item.accepted_ns) / 1e6
@@ -440,6 +559,44 @@ class EngineWorker:
     def _deliver(self, out: list[tuple[Mailbox, Delta]]) -> None:
         """One event-loop hop per step, whatever the batch size."""
         self._loop.call_soon_threadsafe(_publish, out)
+
+
+class _Estimate:
+    """EWMA of a duration and of its absolute deviation; upper() = mean + 2 deviations, a cheap
+    high quantile that follows load changes within a few dozen samples."""
+
+    __slots__ = ("_dev", "_mean", "_n")
+
+    def __init__(self) -> None:
+        self._mean = 0.0
+        self._dev = 0.0
+        self._n = 0
+
+    def add(self, value: float) -> None:
+        self._n += 1
+        alpha = max(0.05, 1.0 / self._n)
+        self._dev += alpha * (abs(value - self._mean) - self._dev)
+        self._mean += alpha * (value - self._mean)
+
+    def upper(self) -> float:
+        return self._mean + 2.0 * self._dev
+
+
+def _count_engine_preemptions(engine: Any, metrics: Metrics) -> None:
+    """Count vLLM's own preemptions (KV exhausted: a running request is evicted and recomputed)
+    when its scheduler runs in this process; KV-aware admission should keep this at zero."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    original = getattr(scheduler, "_preempt_request", None)
+    if original is None:
+        return
+    counter = metrics.preemptions.labels("engine")
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counter.inc()
+        return original(*args, **kwargs)
+
+    scheduler._preempt_request = counted  # type: ignore[union-attr]
 
 
 def _publish(out: list[tuple[Mailbox, Delta]]) -> None:

@@ -53,6 +53,8 @@ class ServerSettings:
     batch_window_s: float = 0.0
     max_wait_s: float = 0.0
     aging_interval_s: float = 2.0
+    level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
+    preempt_after_s: float | None = 0.0  # None: no priority preemption
     max_prompt_tokens: int = 0  # 0: max_model_len - 1
     max_tokens_limit: int = 0  # 0: max_model_len - 1
     max_message_bytes: int = 4 * 1024 * 1024
@@ -163,6 +165,7 @@ class StreambatchServer:
             step_tracer=step_tracer if step_tracer.enabled else None,
             controller=controller,
             step_hook=_fault_after(s.fault_after_steps) if s.fault_after_steps else None,
+            preempt_after_s=s.preempt_after_s,
         )
         self.worker.on_failure = self._on_engine_failure
         limits = self._limits(self.worker)
@@ -182,6 +185,7 @@ class StreambatchServer:
         return make_config(
             priority_levels=s.priority_levels,
             capacity=s.queue_capacity,
+            level_capacity=s.level_capacity,
             bucket_bounds=s.bucket_bounds,
             max_batch_requests=s.engine.max_num_seqs,
             max_batch_tokens=1 << 40,

@@ -140,6 +140,19 @@ class Metrics:
         self.cancellations = Counter(
             f"{PREFIX}_cancellations", "Calls the client cancelled", ["stage"], registry=r
         )
+        self.preemptions = Counter(
+            f"{PREFIX}_preemptions",
+            "Running requests stopped to make room: kind=priority (ours, requeued and resumed) "
+            "or engine (vLLM recomputation when its KV cache ran out)",
+            ["kind"],
+            registry=r,
+        )
+        self.deadline_refusals = Counter(
+            f"{PREFIX}_deadline_refusals",
+            "Requests refused because they were predicted to miss their deadline",
+            ["stage"],
+            registry=r,
+        )
         self.engine_failures = Counter(
             f"{PREFIX}_engine_failures", "Engine step loop failures", registry=r
         )

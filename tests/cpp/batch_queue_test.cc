@@ -201,6 +201,33 @@ TEST(BatchQueue, CapacityTotalAndPerLevel) {
   EXPECT_EQ(q.stats().rejected_full, 2);
 }
 
+TEST(BatchQueue, RequeueGoesFirstIgnoresCapacityAndKeepsItsWait) {
+  Fixture f;
+  f.config.capacity = 2;
+  f.config.aging_interval_ns = 0;
+  auto q = f.make();
+  const Nanos first_arrival = f.clock->now_ns();
+  push_ok(q, 1, 10, 0);
+  f.clock->advance_ns(5 * kMs);
+  push_ok(q, 2, 10, 0);
+  auto r = q.pop_batch(1, 1000, 0);
+  ASSERT_EQ(r.admitted, (std::vector<RequestId>{1}));
+  push_ok(q, 3, 10, 0);  // fills the queue together with 2
+  EXPECT_EQ(q.push(9, 10, 1, 0, 0).status, PushStatus::kQueueFull);
+  // 1 was preempted: back in front of 2 and 3 although the queue is full.
+  EXPECT_EQ(q.requeue(1, 15, 5, 0, 0, first_arrival).status, PushStatus::kAccepted);
+  EXPECT_EQ(q.requeue(1, 15, 5, 0, 0, first_arrival).status, PushStatus::kDuplicateId);
+  f.clock->advance_ns(10 * kMs);
+  const auto s = q.stats();
+  EXPECT_EQ(s.requeued, 1);
+  EXPECT_EQ(s.size, 3);
+  EXPECT_EQ(s.oldest_wait_ns_by_level[0], 15 * kMs);
+  EXPECT_EQ(s.oldest_wait_ns_by_level[1], 0);
+  r = q.pop_batch(10, 1000, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 2, 3}));
+  EXPECT_EQ(q.requeue(4, -1, 1, 0, 0, 0).status, PushStatus::kInvalid);
+}
+
 TEST(BatchQueue, InvalidAndDuplicate) {
   Fixture f;
   f.config.max_batch_tokens = 100;

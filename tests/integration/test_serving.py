@@ -118,18 +118,59 @@ def test_high_priority_is_admitted_before_earlier_low_priority(live_server) -> N
     )
 
 
+def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    registry = live_server.server.metrics.registry
+
+    def preemptions(kind: str) -> float:
+        value = registry.get_sample_value("streambatch_preemptions_total", {"kind": kind})
+        return value or 0.0
+
+    assert wait_until(live_server.engine_idle, 30)
+    before, engine_before = preemptions("priority"), preemptions("engine")
+    requeued_before = live_server.worker.queue.stats().requeued
+    with ThreadPoolExecutor(10) as pool:
+        lows = [
+            pool.submit(run_stream, s, request(f"Long story {i}", max_tokens=96, ignore_eos=True))
+            for i in range(8)
+        ]
+        assert wait_until(lambda: live_server.worker.running == 8, 30)
+        high = run_stream(s, request("Urgent", max_tokens=8, priority=1, ignore_eos=True))
+        lows_done = [f.result(180) for f in lows]
+    assert high.code == grpc.StatusCode.OK
+    # Admitted at the next engine iteration, not after a low request finished (96 tokens).
+    assert high.last.timings.queue_ms < 1000, high.last.timings
+    assert preemptions("priority") >= before + 1
+    assert live_server.worker.queue.stats().requeued >= requeued_before + 1
+    assert preemptions("engine") == engine_before  # KV-aware admission: vLLM never had to
+    # Every preempted stream resumed and delivered all of its tokens exactly once.
+    for r in lows_done:
+        assert r.code == grpc.StatusCode.OK, r.details
+        assert r.last.usage.completion_tokens == 96
+        assert sum(len(m.token_ids) for m in r.messages) == 96
+        assert r.last.usage.prompt_tokens < 40  # the client's prompt, not prompt + output
+
+
 def test_deadline_too_short_never_reaches_the_engine(live_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(live_server.target)
     with ThreadPoolExecutor(10) as pool:
         running = _fill_engine(live_server, pool, 8)
         added = live_server.worker.stats.requests_added
         q = live_server.worker.queue
-        gone_before = q.stats().expired + q.stats().cancelled
+
+        def gone() -> float:
+            refused = live_server.server.metrics.registry.get_sample_value(
+                "streambatch_deadline_refusals_total", {"stage": "submit"}
+            )
+            return q.stats().expired + q.stats().cancelled + (refused or 0.0)
+
+        gone_before = gone()
         r = run_stream(s, request("Too late", max_tokens=8), timeout=0.3)
         assert r.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        # The queue expired it (server deadline) or dropped it when the client's own deadline
-        # cancelled the call, whichever fired first; either way it left the queue unserved.
-        assert wait_until(lambda: q.stats().expired + q.stats().cancelled == gone_before + 1)
+        # Refused at once as unable to finish in time (deadline-aware admission), expired in the
+        # queue, or dropped when the client's own deadline cancelled the call, whichever fired
+        # first; in every case it never reached the engine.
+        assert wait_until(lambda: gone() == gone_before + 1)
         assert live_server.worker.stats.requests_added == added  # nothing new was sent to vLLM
         for f in running:
             assert f.result(120).code == grpc.StatusCode.OK
