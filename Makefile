@@ -9,7 +9,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_HOST_IP ?= 127.0.0.1
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing soak clean
+.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing bench-priority soak clean
 
 # Third-party dependencies: reinstalled only when pyproject.toml changes.
 $(VENV)/.deps-stamp: pyproject.toml
@@ -61,6 +61,10 @@ bench-queue: install
 # streambatch against vLLM's OpenAI server, the seed article's design and offline LLM.generate.
 bench: model
 	$(PY) bench/compare.py
+
+# Priority, deadlines and the latency controller under 2x overload; last line JSON.
+bench-priority: model
+	$(PY) bench/priority.py
 
 # Overload soak (3x capacity, 60 s), 2,000 hostile requests, then a normal call; last line JSON.
 soak: model

@@ -5,11 +5,15 @@ stopped by this script on loopback:
   streambatch   `streambatch serve`, streaming gRPC Generate
   vllm_openai   vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server), streaming
                 /v1/completions
+  vllm_grpc     vLLM's own gRPC launcher (python -m vllm.entrypoints.launchers.grpc_server,
+                smg-grpc-servicer), streaming Generate on token ids
   seed_fastapi  the seed article's design (bench/peers/seed_fastapi.py), blocking generate
-  offline       vllm.LLM.generate over the whole workload (bench/peers/offline.py), the ceiling
+  offline       vllm.LLM.generate over the whole workload (bench/peers/offline.py) with the
+                engine core in-process, as streambatch runs it: the ceiling
+  offline_mp    the same with vLLM's default process model (engine core in a child process)
 Same prompts for all (seeded, chat-templated once with the model's tokenizer, sent as raw
-text), fixed output length (ignore_eos), closed-loop concurrency, warm-up excluded.
-vLLM's own gRPC launcher is not run yet (see docs/benchmarks.md).
+text; token ids for vllm_grpc), fixed output length (ignore_eos), closed-loop concurrency,
+warm-up excluded.
 
 Writes bench/results/compare.json and compare.md; last stdout line: one JSON object
 {"targets": {...}}.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -85,10 +90,10 @@ def http_ok(url: str) -> bool:
 
 
 class Server:
-    def __init__(self, cmd: list[str], log: Path) -> None:
+    def __init__(self, cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> None:
         self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=peer_env()
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**peer_env(), **(extra_env or {})}
         )
 
     def stop(self) -> None:
@@ -114,7 +119,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def run_streambatch(args: argparse.Namespace, texts: list[str]) -> Report:
+def run_streambatch(args: argparse.Namespace, texts: list[str]) -> Sweep:
     port = free_port()
     target = f"127.0.0.1:{port}"
     server = Server(
@@ -140,21 +145,21 @@ def run_streambatch(args: argparse.Namespace, texts: list[str]) -> Report:
     try:
         wait_until(lambda: grpc_serving(target), server.proc, "streambatch")
 
-        async def go() -> Report:
+        async def go() -> Sweep:
             async with grpc.aio.insecure_channel(target) as channel:
                 stub = pb_grpc.GenerationStub(channel)
 
                 async def send(text: str) -> Sample:
                     return await one(stub, generate_request(text, args.max_tokens, chat=False), 600)
 
-                return await closed_loop(send, texts, args.concurrency, args.warmup, "streambatch")
+                return await sweep(send, texts, args, "streambatch")
 
         return asyncio.run(go())
     finally:
         server.stop()
 
 
-def run_vllm_openai(args: argparse.Namespace, texts: list[str]) -> Report:
+def run_vllm_openai(args: argparse.Namespace, texts: list[str]) -> Sweep:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = Server(
@@ -179,7 +184,7 @@ def run_vllm_openai(args: argparse.Namespace, texts: list[str]) -> Report:
     try:
         wait_until(lambda: http_ok(f"{base}/health"), server.proc, "vllm_openai")
 
-        async def go() -> Report:
+        async def go() -> Sweep:
             limits = httpx.Limits(max_connections=args.concurrency + 4)
             async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
 
@@ -214,14 +219,90 @@ def run_vllm_openai(args: argparse.Namespace, texts: list[str]) -> Report:
                                 tokens = chunk["usage"]["completion_tokens"]
                     return Sample(first - start, last - start, tokens, gaps)
 
-                return await closed_loop(send, texts, args.concurrency, args.warmup, "vllm_openai")
+                return await sweep(send, texts, args, "vllm_openai")
 
         return asyncio.run(go())
     finally:
         server.stop()
 
 
-def run_seed(args: argparse.Namespace, texts: list[str]) -> Report:
+def run_vllm_grpc(args: argparse.Namespace, texts: list[str]) -> Sweep:
+    """vLLM's own gRPC launcher (smg-grpc-servicer). Its API takes and returns token ids only:
+    the client tokenizes (once, before timing) and counts tokens; detokenization is the
+    caller's job there, so it is left out of this target's timing, which favours it."""
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+    from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+    from transformers import AutoTokenizer
+
+    tok: Any = AutoTokenizer.from_pretrained(args.model)
+    ids = {t: tok(t, add_special_tokens=False)["input_ids"] for t in texts}
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    env = {
+        # Its warm-up holds health NOT_SERVING ~45 s and KV events cost ~10 %: both off, as a
+        # user tuning it for throughput would.
+        "SMG_VLLM_SERVICER_WARMUP": "off",
+        "SMG_VLLM_SERVICER_KV_EVENTS": "0",
+    }
+    server = Server(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.launchers.grpc_server",
+            "--model",
+            args.model,
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            *engine_flags(args),
+            "--enforce-eager",
+        ],
+        RESULTS / "vllm_grpc.log",
+        extra_env=env,
+    )
+    try:
+        wait_until(lambda: grpc_serving(target), server.proc, "vllm_grpc")
+
+        async def go() -> Sweep:
+            async with grpc.aio.insecure_channel(target) as channel:
+                stub = vpb_grpc.VllmEngineStub(channel)
+                counter = iter(range(1 << 30))
+
+                async def send(text: str) -> Sample:
+                    req = vpb.GenerateRequest(
+                        request_id=f"r{next(counter)}",
+                        tokenized=vpb.TokenizedInput(input_ids=ids[text]),
+                        sampling_params=vpb.SamplingParams(
+                            temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True
+                        ),
+                        stream=True,
+                    )
+                    start = time.perf_counter()
+                    first = last = 0.0
+                    tokens = 0
+                    gaps: list[float] = []
+                    async for msg in stub.Generate(req, timeout=600):
+                        n = len(msg.chunk.token_ids) if msg.HasField("chunk") else 0
+                        if not n:
+                            continue
+                        now = time.perf_counter()
+                        if not first:
+                            first = now
+                        else:
+                            gaps.extend([(now - last) / n] * n)
+                        last = now
+                        tokens += n
+                    return Sample(first - start, last - start, tokens, gaps)
+
+                return await sweep(send, texts, args, "vllm_grpc")
+
+        return asyncio.run(go())
+    finally:
+        server.stop()
+
+
+def run_seed(args: argparse.Namespace, texts: list[str]) -> Sweep:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = Server(
@@ -239,7 +320,7 @@ def run_seed(args: argparse.Namespace, texts: list[str]) -> Report:
     try:
         wait_until(lambda: http_ok(f"{base}/health"), server.proc, "seed_fastapi")
 
-        async def go() -> Report:
+        async def go() -> Sweep:
             limits = httpx.Limits(max_connections=args.concurrency + 4)
             async with httpx.AsyncClient(base_url=base, timeout=3600, limits=limits) as client:
 
@@ -263,16 +344,32 @@ def run_seed(args: argparse.Namespace, texts: list[str]) -> Report:
                 # The seed design serves one request at a time; fewer requests keep the run short
                 # and measure the same rate.
                 subset = texts[: args.warmup + args.seed_requests]
-                return await closed_loop(
+                report = await closed_loop(
                     send, subset, args.concurrency, args.warmup, "seed_fastapi"
                 )
+                return {args.concurrency: report}
 
         return asyncio.run(go())
     finally:
         server.stop()
 
 
-def run_offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
+Sweep = dict[int, Report]  # concurrency -> report
+
+
+async def sweep(send: Any, texts: list[str], args: argparse.Namespace, label: str) -> Sweep:
+    """Closed loop at each concurrency of --sweep, on one server start; fewer requests at lower
+    concurrency (the same number of waves), the first --warmup of each level not counted."""
+    out: Sweep = {}
+    for c in args.sweep:
+        n = max(2 * c, args.requests * c // args.concurrency)
+        out[c] = await closed_loop(send, texts[: n + args.warmup], c, args.warmup, f"{label} c={c}")
+    return out
+
+
+def run_offline(args: argparse.Namespace, texts: list[str], inproc: bool = True) -> dict[str, Any]:
+    """inproc: the engine core in the calling process, streambatch's process model, so this is
+    the ceiling streambatch can reach; otherwise vLLM's default (engine core in a child)."""
     path = RESULTS / "prompts.json"
     path.write_text(json.dumps(texts[args.warmup :]))
     out = subprocess.run(
@@ -289,7 +386,7 @@ def run_offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
         ],
         capture_output=True,
         text=True,
-        env=peer_env(),
+        env={**peer_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inproc else "1"},
         check=True,
     )
     # vLLM logs to stdout too; the result is the line the script marks.
@@ -330,22 +427,58 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def plot(results: dict[str, dict[str, Any]], folder: Path) -> None:
+    """Output tokens/s and p99 TTFT against closed-loop concurrency, one line per target; the
+    offline ceilings as horizontal lines on the throughput plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, r in results.items():
+        if "sweep" in r:
+            levels = sorted(int(c) for c in r["sweep"])
+            pts = [r["sweep"][c] for c in levels]
+            tput.plot(levels, [p.get("output_tok_s", 0) for p in pts], marker="o", label=name)
+            ttft.plot(levels, [p.get("ttft_p99_ms", 0) for p in pts], marker="o", label=name)
+        elif "output_tok_s" in r:
+            tput.axhline(r["output_tok_s"], linestyle="--", linewidth=1, label=f"{name} (ceiling)")
+    tput.set(xlabel="concurrent streams", ylabel="output tokens/s", title="Throughput")
+    ttft.set(xlabel="concurrent streams", ylabel="ms", title="p99 time to first token")
+    ttft.set_yscale("log")
+    for ax in (tput, ttft):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "compare.png", dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default="")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=32, help="the headline level")
+    p.add_argument(
+        "--sweep",
+        type=lambda t: sorted({int(x) for x in t.split(",")}),
+        default=[4, 16, 32],
+        help="closed-loop concurrency levels per server target (plots); must include --concurrency",
+    )
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--seed-requests", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--targets", default="streambatch,vllm_openai,seed_fastapi,offline")
+    p.add_argument("--targets", default="streambatch,vllm_openai,vllm_grpc,seed_fastapi,offline")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
+    if args.concurrency not in args.sweep:
+        p.error("--sweep must include --concurrency")
     if not args.model:
         from pyserver.model import pull_default_model
 
@@ -359,8 +492,10 @@ def main() -> None:
     runners: dict[str, Callable[[argparse.Namespace, list[str]], Any]] = {
         "streambatch": run_streambatch,
         "vllm_openai": run_vllm_openai,
+        "vllm_grpc": run_vllm_grpc,
         "seed_fastapi": run_seed,
         "offline": run_offline,
+        "offline_mp": functools.partial(run_offline, inproc=False),
     }
     results: dict[str, dict[str, Any]] = {}
     for name in args.targets.split(","):
@@ -368,7 +503,12 @@ def main() -> None:
         print(f"== {name}", file=sys.stderr, flush=True)
         try:
             out = runners[name](args, texts)
-            results[name] = out.summary() if isinstance(out, Report) else out
+            if isinstance(out, dict) and all(isinstance(r, Report) for r in out.values()):
+                levels = {c: r.summary() for c, r in sorted(out.items())}
+                # The headline is the run at --concurrency; the sweep feeds the plots.
+                results[name] = {**levels[args.concurrency], "sweep": levels}
+            else:
+                results[name] = out
         except Exception as err:  # a peer that cannot run is reported, not hidden
             results[name] = {"error": f"{type(err).__name__}: {err}"}
         print(
@@ -379,6 +519,7 @@ def main() -> None:
         json.dumps({"config": config, "targets": results}, indent=2)
     )
     (RESULTS / "compare.md").write_text(table(results) + "\n")
+    plot(results, RESULTS)
     print(table(results), file=sys.stderr)
     print(json.dumps({"targets": results}))
 

@@ -71,6 +71,13 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--level-capacity", _ints, (), "waiting requests per level, e.g. 48,16 (0: no own cap)")
     _add(
         p,
+        "--level-queue-timeout-ms",
+        _ints,
+        (),
+        "default queue timeout per level for requests that set none, e.g. 8000,0 (0: none)",
+    )
+    _add(
+        p,
         "--preempt-after-ms",
         float,
         0.0,
@@ -104,6 +111,16 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--test-fault-after-steps", int, 0, argparse.SUPPRESS)
     _add(p, "--latency-slo-ms", float, 0.0, "adaptive batch controller target p99 (0: off)")
     _add(p, "--controller-metric", str, "itl", "latency the controller watches: ttft, itl or e2e")
+    _add(
+        p,
+        "--controller-knob",
+        str,
+        "concurrency",
+        "what the controller sets: concurrency (admitted requests, the seed's rule) or "
+        "step_tokens (the engine's per-step token budget; in-process engine only)",
+    )
+    _add(p, "--controller-shrink-above", float, 1.5, "shrink when p99 > this x SLO")
+    _add(p, "--controller-grow-below", float, 0.5, "grow when p99 < this x SLO")
     _add(p, "--tracing", str, "off", "off, console or otlp (configured by the OTEL_* variables)")
     _add(p, "--record-content", _bool, False, "put prompts and completions in spans")
     _add(p, "--trace-engine-steps", float, 0.0, "fraction of engine steps traced (0: off)")
@@ -208,6 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_wait_s=args.max_wait_ms / 1e3,
         aging_interval_s=args.aging_interval_ms / 1e3,
         level_capacity=args.level_capacity,
+        level_queue_timeout_ms=args.level_queue_timeout_ms,
         preempt_after_s=None if args.preempt_after_ms < 0 else args.preempt_after_ms / 1e3,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
@@ -218,6 +236,9 @@ def _serve(args: argparse.Namespace) -> int:
         trace_engine_steps=args.trace_engine_steps,
         latency_slo_ms=args.latency_slo_ms,
         controller_metric=args.controller_metric,
+        controller_knob=args.controller_knob,
+        controller_shrink_above=args.controller_shrink_above,
+        controller_grow_below=args.controller_grow_below,
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         reflection=args.reflection,

@@ -1,11 +1,16 @@
-"""The adaptive batch controller: closes the loop between a latency SLO and the admitted
-concurrency the engine worker may fill (the seed article's rule, made safe against oscillation).
+"""The adaptive batch controller: closes the loop between a latency SLO and a limit the engine
+worker applies (the seed article's rule, made safe against oscillation).
 
 Rule (the seed's default): over a sliding window of the chosen latency (TTFT, inter-token or
 end-to-end), if p99 > 1.5 x SLO shrink the limit by `step` (2); if p99 < 0.5 x SLO grow it by
 `step`; always within [min_limit, max_limit]. After a change the window restarts, so the next
 decision sees only latency measured under the new limit, and no change happens within
 `cooldown_s` of the last one: together these keep a steady load from oscillating.
+
+What the limit is, is the worker's choice (the "knob"): the admitted concurrency (the seed's
+max batch size) or the engine's per-step token budget. On an iteration-level engine the second
+is what sets inter-token latency tails (a step that prefills a long prompt stalls every stream
+in it), so for it the rule is multiplicative: halve on shrink, x1.25 on grow.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class AdaptiveBatchController:
         min_samples: int = 32,
         cooldown_s: float = 2.0,
         initial: int | None = None,
+        multiplicative: bool = False,
+        shrink_above: float = 1.5,
+        grow_below: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not slo_ms > 0:
@@ -41,6 +49,10 @@ class AdaptiveBatchController:
             raise ValueError(
                 f"controller metric must be one of {', '.join(METRICS)}, got {metric!r}"
             )
+        if not 0 < grow_below < shrink_above:
+            raise ValueError(
+                f"need 0 < grow_below ({grow_below}) < shrink_above ({shrink_above}) x SLO"
+            )
         if not 1 <= min_limit <= max_limit:
             raise ValueError(f"need 1 <= min_limit ({min_limit}) <= max_limit ({max_limit})")
         self.slo_ms = slo_ms
@@ -48,6 +60,9 @@ class AdaptiveBatchController:
         self.min_limit = min_limit
         self.max_limit = max_limit
         self._step = step
+        self._multiplicative = multiplicative
+        self._shrink_above = shrink_above
+        self._grow_below = grow_below
         self._min_samples = min_samples
         self._cooldown_s = cooldown_s
         self._clock = clock
@@ -79,10 +94,16 @@ class AdaptiveBatchController:
         p99 = self.p99_ms()
         if p99 is None:
             return self._limit
-        if p99 > 1.5 * self.slo_ms:
-            new = max(self.min_limit, self._limit - self._step)
-        elif p99 < 0.5 * self.slo_ms:
-            new = min(self.max_limit, self._limit + self._step)
+        if p99 > self._shrink_above * self.slo_ms:
+            smaller = self._limit // 2 if self._multiplicative else self._limit - self._step
+            new = max(self.min_limit, smaller)
+        elif p99 < self._grow_below * self.slo_ms:
+            larger = (
+                max(self._limit + 1, self._limit * 5 // 4)
+                if self._multiplicative
+                else self._limit + self._step
+            )
+            new = min(self.max_limit, larger)
         else:
             new = self._limit
         if new != self._limit:

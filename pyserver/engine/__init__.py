@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
-from pyserver.engine.worker import EngineOptions, EngineStats, EngineWorker, build_engine
+from pyserver.engine.worker import (
+    EngineOptions,
+    EngineStats,
+    EngineWorker,
+    build_engine,
+    step_token_budget,
+)
 
-__all__ = ["EngineOptions", "EngineStats", "EngineWorker", "build_engine"]
+__all__ = ["EngineOptions", "EngineStats", "EngineWorker", "build_engine", "step_token_budget"]

@@ -117,6 +117,17 @@ def build_engine(options: EngineOptions) -> Any:
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
 
 
+def _scheduler(engine: Any) -> Any | None:
+    """vLLM's scheduler when the engine core runs in this process (InprocClient), else None."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
+def step_token_budget(engine: Any) -> int:
+    """The engine's per-step token budget (prefill chunks + decodes), as configured."""
+    return int(engine.vllm_config.scheduler_config.max_num_batched_tokens)
+
+
 def _vllm_version() -> str:
     import vllm
 
@@ -155,6 +166,7 @@ class EngineWorker:
         metrics: Metrics | None = None,
         step_tracer: StepTracer | None = None,
         controller: AdaptiveBatchController | None = None,
+        controller_knob: str = "concurrency",
         step_hook: Callable[[], None] | None = None,
         preempt_after_s: float | None = 0.0,
     ) -> None:
@@ -170,7 +182,21 @@ class EngineWorker:
         self.vocab_size: int = engine.model_config.get_vocab_size()
         cache = engine.vllm_config.cache_config
         self.kv_capacity_tokens: int = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
-        self.concurrency_limit = controller.limit if controller else self.max_num_seqs
+        self._sched = _scheduler(engine)
+        self.step_token_budget = step_token_budget(engine)
+        if controller_knob not in ("concurrency", "step_tokens"):
+            raise ValueError(
+                f"controller knob must be concurrency or step_tokens, got {controller_knob!r}"
+            )
+        if controller_knob == "step_tokens" and controller is not None and self._sched is None:
+            raise ValueError(
+                "--controller-knob step_tokens needs the engine in this process "
+                "(--engine-process inproc): the per-step budget is set on vLLM's scheduler"
+            )
+        self._knob = controller_knob
+        self.concurrency_limit = self.max_num_seqs
+        if controller is not None:
+            self._apply_limit(controller.limit)
         self.engine_version = _vllm_version()
         self.stats = EngineStats()
         self.failed: BaseException | None = None
@@ -282,9 +308,7 @@ class EngineWorker:
     def engine_kv_usage(self) -> float | None:
         """vLLM's own KV block usage (0..1) when the engine core runs in this process; None when
         it runs in its own process. Blocks kept only for the prefix cache count as free."""
-        core = getattr(getattr(self._engine, "engine_core", None), "engine_core", None)
-        scheduler = getattr(core, "scheduler", None)
-        manager = getattr(scheduler, "kv_cache_manager", None)
+        manager = getattr(self._sched, "kv_cache_manager", None)
         return float(manager.usage) if manager is not None else None
 
     def retry_after_ms(self) -> int:
@@ -473,10 +497,28 @@ class EngineWorker:
         if self._step_tracer is not None:
             self._step_tracer.on_step(started, now, batch, generated, served)
         if ctl is not None:
-            self.concurrency_limit = ctl.update()
+            self._apply_limit(ctl.update())
         out.extend(self._expire_running(now))
         if out:
             self._deliver(out)
+
+    def _can_wait(self, item: WorkItem, now: int) -> bool:
+        """A request with a deadline is preempted only if it could wait as long as it has left
+        to run and still finish in time, so preemption never turns a request that was admitted
+        in time into one that misses its deadline."""
+        if not item.deadline_ns:
+            return True
+        need_s = 2 * self.service_estimate_s(item) * _DEADLINE_MARGIN
+        return (item.deadline_ns - now) / 1e9 > need_s
+
+    def _apply_limit(self, limit: int) -> None:
+        if self._knob == "concurrency":
+            self.concurrency_limit = limit
+        elif limit != self.step_token_budget:
+            # Read by vLLM's scheduler at every schedule(); applies from the next step.
+            assert self._sched is not None  # checked in __init__
+            self._sched.max_num_scheduled_tokens = limit
+            self.step_token_budget = limit
 
     def _expire_running(self, now: int) -> list[tuple[Mailbox, Delta]]:
         late = [h for h, it in self._running.items() if it.deadline_ns and it.deadline_ns <= now]
@@ -507,8 +549,9 @@ class EngineWorker:
         waiting = sum(stats.depth[top])
         if not waiting or stats.oldest_wait_ns_by_level[top] < self._preempt_after_ns:
             return
+        now = time.monotonic_ns()
         victims = sorted(
-            (it for it in self._running.values() if it.priority < top),
+            (it for it in self._running.values() if it.priority < top and self._can_wait(it, now)),
             key=lambda it: (it.priority, it.completion_tokens),
         )[: max(1, waiting - max(0, free))]
         stopped: list[int] = []
@@ -585,8 +628,7 @@ class _Estimate:
 def _count_engine_preemptions(engine: Any, metrics: Metrics) -> None:
     """Count vLLM's own preemptions (KV exhausted: a running request is evicted and recomputed)
     when its scheduler runs in this process; KV-aware admission should keep this at zero."""
-    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
-    scheduler = getattr(core, "scheduler", None)
+    scheduler = _scheduler(engine)
     original = getattr(scheduler, "_preempt_request", None)
     if original is None:
         return

@@ -33,6 +33,8 @@ class Limits:
     max_prompt_tokens: int
     max_tokens_limit: int
     max_prompt_chars: int  # checked before tokenizing, so a huge prompt costs nothing
+    # Default queue timeout per priority level when the request sets none (0: none).
+    queue_timeout_ms_by_level: tuple[int, ...] = ()
 
 
 def invalid(field: str, problem: str) -> RequestError:

@@ -23,7 +23,7 @@ from streambatch.v1 import generation_pb2 as pb
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
 from pyserver.batching import make_config
-from pyserver.engine import EngineOptions, EngineWorker, build_engine
+from pyserver.engine import EngineOptions, EngineWorker, build_engine, step_token_budget
 from pyserver.scheduling import AdaptiveBatchController
 from pyserver.service.convert import Limits
 from pyserver.service.security import (
@@ -55,6 +55,7 @@ class ServerSettings:
     aging_interval_s: float = 2.0
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption
+    level_queue_timeout_ms: tuple[int, ...] = ()  # default queue timeout per level (0: none)
     max_prompt_tokens: int = 0  # 0: max_model_len - 1
     max_tokens_limit: int = 0  # 0: max_model_len - 1
     max_message_bytes: int = 4 * 1024 * 1024
@@ -70,6 +71,9 @@ class ServerSettings:
     record_content: bool = False  # prompts/completions in spans: never unless asked
     latency_slo_ms: float = 0.0  # > 0 turns the adaptive batch controller on
     controller_metric: str = "itl"  # ttft | itl | e2e
+    controller_knob: str = "concurrency"  # concurrency | step_tokens
+    controller_shrink_above: float = 1.5  # x SLO: the seed's rule
+    controller_grow_below: float = 0.5
     trace_engine_steps: float = 0.0  # fraction of engine steps traced; 0 = off
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9400  # None: no metrics endpoint; 0: any free port
@@ -154,8 +158,17 @@ class StreambatchServer:
         step_tracer = StepTracer(self.tracer_provider, s.trace_engine_steps)
         controller = None
         if s.latency_slo_ms > 0:
+            tokens = s.controller_knob == "step_tokens"
+            max_limit = step_token_budget(engine) if tokens else s.engine.max_num_seqs
             controller = AdaptiveBatchController(
-                s.latency_slo_ms, s.engine.max_num_seqs, metric=s.controller_metric
+                s.latency_slo_ms,
+                max_limit,
+                metric=s.controller_metric,
+                # Every running sequence needs its decode token in a step.
+                min_limit=min(max_limit, s.engine.max_num_seqs + 16) if tokens else 1,
+                multiplicative=tokens,
+                shrink_above=s.controller_shrink_above,
+                grow_below=s.controller_grow_below,
             )
         self.worker = EngineWorker(
             engine,
@@ -164,6 +177,7 @@ class StreambatchServer:
             metrics=self.metrics,
             step_tracer=step_tracer if step_tracer.enabled else None,
             controller=controller,
+            controller_knob=s.controller_knob,
             step_hook=_fault_after(s.fault_after_steps) if s.fault_after_steps else None,
             preempt_after_s=s.preempt_after_s,
         )
@@ -204,6 +218,7 @@ class StreambatchServer:
             max_prompt_tokens=min(s.max_prompt_tokens or longest, longest),
             max_tokens_limit=min(s.max_tokens_limit or longest, longest),
             max_prompt_chars=max(worker.max_model_len * 32, 4096),
+            queue_timeout_ms_by_level=s.level_queue_timeout_ms,
         )
 
     def _load_snapshot(self) -> LoadSnapshot | None:
@@ -216,6 +231,7 @@ class StreambatchServer:
             running=w.running,
             kv_cache_usage=w.kv_cache_usage,
             concurrency_limit=w.concurrency_limit,
+            step_token_budget=w.step_token_budget,
             oldest_wait_s=stats.oldest_wait_ns / 1e9,
         )
 

@@ -192,6 +192,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             running=self._worker.running,
             kv_cache_usage=self._worker.kv_cache_usage,
             concurrency_limit=self._worker.concurrency_limit,
+            step_token_budget=self._worker.step_token_budget,
             serving=self.serving,
         )
 
@@ -218,8 +219,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         remaining = context.time_remaining()
         deadline_ns = accepted_ns + int(remaining * 1e9) if remaining is not None else 0
         queue_deadline = deadline_ns
-        if request.queue_timeout_ms:
-            limit = accepted_ns + request.queue_timeout_ms * 1_000_000
+        defaults = self._limits.queue_timeout_ms_by_level
+        queue_timeout_ms = request.queue_timeout_ms or (
+            defaults[priority] if priority < len(defaults) else 0
+        )
+        if queue_timeout_ms:
+            limit = accepted_ns + queue_timeout_ms * 1_000_000
             queue_deadline = min(queue_deadline, limit) if queue_deadline else limit
         item = WorkItem(
             handle=self._worker.new_handle(),

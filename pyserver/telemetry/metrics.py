@@ -37,6 +37,7 @@ class LoadSnapshot:
     running: int
     kv_cache_usage: float
     concurrency_limit: int
+    step_token_budget: int
     oldest_wait_s: float
 
 
@@ -71,6 +72,11 @@ class _LoadCollector(Collector):
             f"{PREFIX}_concurrency_limit",
             "Admitted-concurrency limit the worker fills",
             value=snap.concurrency_limit,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_step_token_budget",
+            "Engine per-step token budget (prefill chunks + decodes) the controller sets",
+            value=snap.step_token_budget,
         )
         yield GaugeMetricFamily(
             f"{PREFIX}_queue_oldest_wait_seconds",

@@ -81,3 +81,28 @@ def test_bad_settings(kwargs: dict[str, object], message: str) -> None:
     args: dict[str, object] = {"slo_ms": 100.0, "max_limit": 8} | kwargs
     with pytest.raises(ValueError, match=message):
         AdaptiveBatchController(**args)  # type: ignore[arg-type]
+
+
+def test_multiplicative_token_budget_finds_the_slo_and_stays() -> None:
+    """The step-token knob: latency grows with the per-step budget (prefill chunk size); the
+    controller halves until p99 <= SLO (shrink_above=1.0) and then holds."""
+    clock = FakeClock()
+    ctl = AdaptiveBatchController(
+        100.0,
+        2048,
+        min_limit=24,
+        multiplicative=True,
+        shrink_above=1.0,
+        grow_below=0.5,
+        clock=clock,
+    )
+    limits = drive(ctl, clock, lambda budget: 40 + budget * 0.2, seconds=60)
+    final = limits[-1]
+    assert 40 + final * 0.2 * 1.1 <= 100 * 1.05, final  # p99 at or under the SLO
+    assert final >= 128, final  # and not shrunk further than needed
+    assert len(set(limits[-200:])) == 1  # steady: no oscillation
+
+
+def test_thresholds_are_checked() -> None:
+    with pytest.raises(ValueError, match="grow_below"):
+        AdaptiveBatchController(100.0, 8, shrink_above=0.5, grow_below=0.5)

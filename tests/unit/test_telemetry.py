@@ -68,7 +68,7 @@ def test_tracing_mode_is_validated() -> None:
 
 def test_dashboard_queries_only_existing_metrics() -> None:
     metrics = Metrics()
-    metrics.watch_load(lambda: LoadSnapshot([1, 0], 2, 0.5, 8, 0.1))
+    metrics.watch_load(lambda: LoadSnapshot([1, 0], 2, 0.5, 8, 2048, 0.1))
     suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
     exposed = {
         family.name + suffix
@@ -88,7 +88,7 @@ def test_dashboard_queries_only_existing_metrics() -> None:
 
 def test_documented_metrics_exist() -> None:
     metrics = Metrics()
-    metrics.watch_load(lambda: LoadSnapshot([0, 0], 0, 0.0, 8, 0.0))
+    metrics.watch_load(lambda: LoadSnapshot([0, 0], 0, 0.0, 8, 2048, 0.0))
     families = {family.name for family in metrics.registry.collect()}
     documented = set(
         re.findall(r"`(streambatch_[a-z_]+)`", (ROOT / "docs/observability.md").read_text())

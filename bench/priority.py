@@ -1,0 +1,243 @@
+"""Scheduling under overload: priority, deadlines and the adaptive batch controller, measured.
+
+One run: (1) a server with the controller off; calibrate capacity (closed loop at the engine's
+concurrency) and the unloaded TTFT (one request at a time); then open-loop Poisson arrivals at
+`--overload` x capacity for `--duration` s, `--high-share` of them high priority, mixed prompt
+lengths, each call with a `--deadline-s` gRPC deadline. (2) The same open-loop run against a
+fresh server with `--latency-slo-ms` on (the controller watching inter-token latency).
+
+Reported from run (1): TTFT p99 of high and of low requests; from both: ITL p99 and completed
+output tokens/s; `admitted_then_missed_deadline` counts calls that started generating and then
+ended DEADLINE_EXCEEDED (the failure deadline-aware admission exists to prevent). Last stdout
+line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from streambatch.v1 import generation_pb2_grpc as pb_grpc
+from tqdm import tqdm
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from compare import Server, free_port, grpc_serving, wait_until  # noqa: E402
+from load import generate_request, prompts  # noqa: E402
+from soak import capacity  # noqa: E402
+
+RESULTS = HERE / "results"
+
+
+@dataclass
+class Call:
+    priority: int
+    ttft_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    code: str = "OK"
+    details: str = ""
+
+
+async def one(
+    stub: pb_grpc.GenerationStub, text: str, max_tokens: int, priority: int, deadline_s: float
+) -> Call:
+    call = Call(priority)
+    start = last = time.perf_counter()
+    try:
+        async for msg in stub.Generate(
+            generate_request(text, max_tokens, priority), timeout=deadline_s
+        ):
+            n = len(msg.token_ids)
+            if not n:
+                continue
+            now = time.perf_counter()
+            if not call.tokens:
+                call.ttft_s = now - start
+            else:
+                call.gaps_s.extend([(now - last) / n] * n)
+            last = now
+            call.tokens += n
+    except grpc.aio.AioRpcError as err:
+        call.code, call.details = err.code().name, err.details() or ""
+    return call
+
+
+async def open_loop(
+    target: str, args: argparse.Namespace, label: str, seed: int
+) -> tuple[list[Call], float]:
+    rng = random.Random(seed)
+    texts = prompts(int(args.rate * args.duration * 2) + 16, seed=seed)
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        tasks: list[asyncio.Task[Call]] = []
+        start = time.monotonic()
+        next_at = start
+        bar = tqdm(total=round(args.duration), desc=label, unit="s", file=sys.stderr, leave=False)
+        i = 0
+        while next_at - start < args.duration:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            prio = int(rng.random() < args.high_share)
+            tasks.append(
+                asyncio.create_task(one(stub, texts[i], args.max_tokens, prio, args.deadline_s))
+            )
+            i += 1
+            next_at += rng.expovariate(args.rate)
+            elapsed = min(int(time.monotonic() - start), round(args.duration))
+            if elapsed > bar.n:
+                bar.update(elapsed - bar.n)
+        calls = await asyncio.gather(*tasks)
+        bar.close()
+        return list(calls), time.monotonic() - start
+
+
+async def unloaded(target: str, n: int, max_tokens: int) -> list[Call]:
+    texts = prompts(n, seed=99)
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        return [await one(stub, t, max_tokens, 1, 60.0) for t in texts]
+
+
+def p99_ms(values: list[float]) -> float:
+    return round(float(np.percentile(values, 99)) * 1e3, 1) if values else float("nan")
+
+
+def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, object]:
+    done = [c for c in calls if c.code == "OK"]
+    codes = Counter(c.code for c in calls)
+    missed = [c for c in calls if c.code == "DEADLINE_EXCEEDED" and c.tokens > 0]
+    missed += [
+        c for c in calls if c.code == "DEADLINE_EXCEEDED" and "during generation" in c.details
+    ]
+    return {
+        "sent": len(calls),
+        "codes": dict(codes),
+        "high_ttft_p99_ms": p99_ms([c.ttft_s for c in done if c.priority == 1]),
+        "low_ttft_p99_ms": p99_ms([c.ttft_s for c in done if c.priority == 0]),
+        "itl_p99_ms": p99_ms([g for c in done for g in c.gaps_s]),
+        "itl_p50_ms": round(float(np.median([g for c in done for g in c.gaps_s])) * 1e3, 1)
+        if done
+        else float("nan"),
+        "output_tok_s": round(sum(c.tokens for c in done) / wall_s, 1),
+        "complete_streams": sum(1 for c in done if c.tokens == max_tokens),
+        "admitted_then_missed_deadline": len(missed),
+    }
+
+
+def serve(args: argparse.Namespace, extra: list[str], log: str) -> tuple[Server, str]:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "pyserver.cli", "serve", "--port", str(port),
+        "--max-num-seqs", str(args.max_num_seqs), "--queue-capacity", str(args.queue_capacity),
+        "--level-capacity", f"{args.queue_capacity - args.queue_capacity // 4},0",
+        "--level-queue-timeout-ms", f"{int(args.low_queue_timeout_s * 1000)},0",
+        "--aging-interval-ms", str(int(args.aging_s * 1000)),
+        "--max-num-batched-tokens", str(args.step_tokens),
+        "--metrics-port", "-1", "--log-level", "WARNING", *extra,
+    ]  # fmt: skip
+    server = Server(cmd, RESULTS / log)
+    target = f"127.0.0.1:{port}"
+    wait_until(lambda: grpc_serving(target), server.proc, "streambatch")
+    return server, target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--overload", type=float, default=2.0, help="arrival rate / capacity")
+    parser.add_argument("--high-share", type=float, default=0.2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--deadline-s", type=float, default=15.0, help="each call's deadline")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--queue-capacity", type=int, default=64)
+    parser.add_argument("--low-queue-timeout-s", type=float, default=8.0)
+    parser.add_argument(
+        "--aging-s",
+        type=float,
+        default=30.0,
+        help="aging interval; longer than the low queue timeout so no low request is promoted "
+        "into the top level during the run (see docs/benchmarks.md)",
+    )
+    parser.add_argument(
+        "--step-tokens",
+        type=int,
+        default=256,
+        help="engine per-step token budget (both runs; the controller may lower it)",
+    )
+    parser.add_argument(
+        "--slo-ms", type=float, default=0.0, help="ITL SLO for the controller run (0: derive)"
+    )
+    parser.add_argument(
+        "--knob", default="step_tokens", help="what the controller sets (concurrency: the seed's)"
+    )
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    server, target = serve(args, [], "priority-off.log")
+    try:
+        cap = asyncio.run(capacity(target, args.max_num_seqs, args.max_tokens, 15.0))
+        args.rate = cap * args.overload
+        base = asyncio.run(unloaded(target, 30, args.max_tokens))
+        unloaded_ttft = p99_ms([c.ttft_s for c in base])
+        unloaded_itl_p50 = float(np.median([g for c in base for g in c.gaps_s])) * 1e3
+        print(
+            f"capacity {cap:.2f} req/s, open loop at {args.rate:.2f} req/s; unloaded TTFT p99 "
+            f"{unloaded_ttft} ms, ITL p50 {unloaded_itl_p50:.1f} ms",
+            file=sys.stderr,
+        )
+        off_calls, off_wall = asyncio.run(open_loop(target, args, "controller off", 1))
+    finally:
+        server.stop()
+    off = summarize(off_calls, off_wall, args.max_tokens)
+    print(f"controller off: {json.dumps(off)}", file=sys.stderr)
+
+    # The SLO a streaming user would state: no token gap worse than this. Derived (when not
+    # given) from this machine's unloaded decode speed, so the run means the same elsewhere.
+    slo = args.slo_ms or round(3.0 * unloaded_itl_p50, 1)
+    controller = [
+        "--latency-slo-ms", str(slo), "--controller-metric", "itl",
+        "--controller-knob", args.knob, "--controller-shrink-above", "1.0",
+    ]  # fmt: skip
+    server, target = serve(args, controller, "priority-on.log")
+    try:
+        on_calls, on_wall = asyncio.run(open_loop(target, args, "controller on", 1))
+    finally:
+        server.stop()
+    on = summarize(on_calls, on_wall, args.max_tokens)
+    print(f"controller on: {json.dumps(on)}", file=sys.stderr)
+
+    result = {
+        "capacity_req_s": round(cap, 3),
+        "rate_req_s": round(args.rate, 3),
+        "duration_s": args.duration,
+        "high_ttft_p99_ms": off["high_ttft_p99_ms"],
+        "low_ttft_p99_ms": off["low_ttft_p99_ms"],
+        "unloaded_ttft_p99_ms": unloaded_ttft,
+        "slo_ms": slo,
+        "itl_p99_ms_controller_off": off["itl_p99_ms"],
+        "itl_p99_ms_controller_on": on["itl_p99_ms"],
+        "output_tok_s_controller_off": off["output_tok_s"],
+        "output_tok_s_controller_on": on["output_tok_s"],
+        "throughput_ratio_controller_on_vs_off": round(
+            float(on["output_tok_s"]) / max(1e-9, float(off["output_tok_s"])), 3
+        ),
+        "admitted_then_missed_deadline": int(off["admitted_then_missed_deadline"])  # type: ignore[call-overload]
+        + int(on["admitted_then_missed_deadline"]),  # type: ignore[call-overload]
+        "codes_controller_off": off["codes"],
+        "codes_controller_on": on["codes"],
+    }
+    (RESULTS / "priority.json").write_text(json.dumps({"off": off, "on": on, **result}, indent=2))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
