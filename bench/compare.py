@@ -109,7 +109,7 @@ class Server:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine arguments every target gets, identically."""
-    return [
+    flags = [
         "--dtype",
         args.dtype,
         "--max-num-seqs",
@@ -117,6 +117,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         "--max-model-len",
         str(args.max_model_len),
     ]
+    if args.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return flags
 
 
 def run_streambatch(args: argparse.Namespace, texts: list[str]) -> Sweep:
@@ -474,6 +477,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=0, help="per-step token budget (0: vLLM's)"
+    )
     p.add_argument("--targets", default="streambatch,vllm_openai,vllm_grpc,seed_fastapi,offline")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()

@@ -18,6 +18,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     args = p.parse_args()
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -27,6 +28,7 @@ def main() -> None:
         enforce_eager=True,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or None,
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up, as the servers get

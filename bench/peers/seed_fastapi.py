@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     args = p.parse_args()
     llm = LLM(
         model=args.model,
@@ -70,6 +71,7 @@ def main() -> None:
         enforce_eager=True,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or None,
     )
     uvicorn.run(build_app(llm), host="127.0.0.1", port=args.port, log_level="warning")
 
