@@ -20,6 +20,7 @@ import grpc
 # grpc's stubs type handlers for the sync server; the aio server hands us the same objects.
 Handler = Any
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_GENERATION_PREFIX = "/streambatch.v1.Generation/"
 TOKENS_ENV = "STREAMBATCH_AUTH_TOKENS"
 
 
@@ -139,6 +140,10 @@ class MalformedFrameInterceptor(_Guard):
     ) -> Handler:
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
+            return handler
+        # Only our own service: health's Watch writes through the context instead of yielding,
+        # and wrapping it as a generator broke client-side health checking.
+        if not (details.method or "").startswith(_GENERATION_PREFIX):
             return handler
         if handler.request_streaming:
             return handler  # none of our methods stream requests; leave others as they are
