@@ -31,8 +31,11 @@ def wait_until(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-d
 
 
 def test_capital_of_france_streams_paris(live_server) -> None:  # type: ignore[no-untyped-def]
+    # A plain completion prompt: the 135M model's greedy answer to the chat-templated question
+    # is "Paris" in fp32 but "L'Étoile, la Marseillaise, ..." in bf16 (AVX-512 hosts), a fact
+    # about the model's numerics, not about serving.
     r = run_stream(
-        stub(live_server.target), request("What is the capital of France?", max_tokens=32)
+        stub(live_server.target), request("The capital of France is", chat=False, max_tokens=32)
     )
     assert r.code == grpc.StatusCode.OK, r.details
     assert "Paris" in r.text
