@@ -142,6 +142,7 @@ def serve(args: argparse.Namespace, extra: list[str], log: str) -> tuple[Server,
         "--level-queue-timeout-ms", f"{int(args.low_queue_timeout_s * 1000)},0",
         "--aging-interval-ms", str(int(args.aging_s * 1000)),
         "--max-num-batched-tokens", str(args.step_tokens),
+        "--reserved-top-slots", str(args.reserved_top_slots),
         "--metrics-port", "-1", "--log-level", "WARNING", *extra,
     ]  # fmt: skip
     server = Server(cmd, RESULTS / log)
@@ -172,6 +173,19 @@ def main() -> None:
         type=int,
         default=256,
         help="engine per-step token budget (both runs; the controller may lower it)",
+    )
+    parser.add_argument(
+        "--reserved-top-slots",
+        type=int,
+        default=2,
+        help="engine slots only high-priority requests may use (both runs); preemption is the "
+        "fallback when they are taken",
+    )
+    parser.add_argument(
+        "--grow-below",
+        type=float,
+        default=0.8,
+        help="controller grows its limit when p99 < this x SLO (shrinks above 1.0 x SLO)",
     )
     parser.add_argument(
         "--slo-ms", type=float, default=0.0, help="ITL SLO for the controller run (0: derive)"
@@ -206,6 +220,7 @@ def main() -> None:
     controller = [
         "--latency-slo-ms", str(slo), "--controller-metric", "itl",
         "--controller-knob", args.knob, "--controller-shrink-above", "1.0",
+        "--controller-grow-below", str(args.grow_below),
     ]  # fmt: skip
     server, target = serve(args, controller, "priority-on.log")
     try:

@@ -84,6 +84,14 @@ def _serve_parser(sub: Any) -> None:
         "stop the lowest-priority running request when a top-priority one has waited this long "
         "and the engine is full (negative: never)",
     )
+    _add(
+        p,
+        "--reserved-top-slots",
+        int,
+        0,
+        "engine sequence slots kept for top-priority requests: lower levels fill at most "
+        "max-num-seqs minus this, so a top-priority arrival starts at once without preempting",
+    )
     _add(p, "--bucket-bounds", _ints, (), "prompt-length bucket bounds, e.g. 64,256,1024")
     _add(p, "--batch-window-ms", float, 0.0, "hold the first arrival this long to gather a batch")
     _add(p, "--max-wait-ms", float, 0.0, "release when the oldest waited this long (0: off)")
@@ -226,6 +234,7 @@ def _serve(args: argparse.Namespace) -> int:
         aging_interval_s=args.aging_interval_ms / 1e3,
         level_capacity=args.level_capacity,
         level_queue_timeout_ms=args.level_queue_timeout_ms,
+        reserved_top_slots=args.reserved_top_slots,
         preempt_after_s=None if args.preempt_after_ms < 0 else args.preempt_after_ms / 1e3,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,

@@ -10,7 +10,10 @@ decision sees only latency measured under the new limit, and no change happens w
 What the limit is, is the worker's choice (the "knob"): the admitted concurrency (the seed's
 max batch size) or the engine's per-step token budget. On an iteration-level engine the second
 is what sets inter-token latency tails (a step that prefills a long prompt stalls every stream
-in it), so for it the rule is multiplicative: halve on shrink, x1.25 on grow.
+in it), so for it the rule is multiplicative: x0.75 on shrink, x1.25 on grow. Halving, as the
+seed does for concurrency, overshot on this engine: a budget cut from 256 to 64 tokens leaves
+prefill starved and sequence slots idle, and a band narrow enough to meet an ITL SLO then never
+grows it back.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class AdaptiveBatchController:
         if p99 is None:
             return self._limit
         if p99 > self._shrink_above * self.slo_ms:
-            smaller = self._limit // 2 if self._multiplicative else self._limit - self._step
+            smaller = self._limit * 3 // 4 if self._multiplicative else self._limit - self._step
             new = max(self.min_limit, smaller)
         elif p99 < self._grow_below * self.slo_ms:
             larger = (

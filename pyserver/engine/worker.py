@@ -169,6 +169,7 @@ class EngineWorker:
         controller_knob: str = "concurrency",
         step_hook: Callable[[], None] | None = None,
         preempt_after_s: float | None = 0.0,
+        reserved_top_slots: int = 0,
     ) -> None:
         self._engine = engine
         self._metrics = metrics or Metrics()
@@ -194,7 +195,7 @@ class EngineWorker:
                 "(--engine-process inproc): the per-step budget is set on vLLM's scheduler"
             )
         self._knob = controller_knob
-        self.concurrency_limit = self.max_num_seqs
+        self.concurrency_limit: int = self.max_num_seqs
         if controller is not None:
             self._apply_limit(controller.limit)
         self.engine_version = _vllm_version()
@@ -204,6 +205,13 @@ class EngineWorker:
         self._step_hook = step_hook  # test-only fault injection; None in production
         self._preempt_after_ns = None if preempt_after_s is None else int(preempt_after_s * 1e9)
         self._top_priority = queue_config.priority_levels - 1
+        if not 0 <= reserved_top_slots < self.max_num_seqs:
+            raise ValueError(
+                f"reserved top-priority slots must be in [0, max_num_seqs), got "
+                f"{reserved_top_slots} with max_num_seqs {self.max_num_seqs}"
+            )
+        self.reserved_top_slots: int = reserved_top_slots
+        self._running_below_top = 0  # running requests under the top level (worker thread)
         # Running estimates (EWMA of value and of absolute deviation) for deadline admission.
         self._step_est = _Estimate()
         self._prefill_est = _Estimate()
@@ -367,7 +375,7 @@ class EngineWorker:
             )
 
     def _admit(self) -> None:
-        free = self.concurrency_limit - len(self._running)
+        free = self._admission_room()
         timeout = 0.0 if self._running else _IDLE_WAIT_S
         room = (
             (self.kv_capacity_tokens - self._reserved_tokens)
@@ -382,17 +390,13 @@ class EngineWorker:
             self._metrics.expiries.labels("queue").inc(len(result.expired))
         for h in result.expired:
             if (gone := self._items.pop(h, None)) is not None:
-                out.append(
-                    (
-                        gone.mailbox,
-                        Delta(
-                            error=RequestError(
-                                ErrorKind.DEADLINE,
-                                "deadline passed while queued; the request never ran",
-                            )
-                        ),
-                    )
+                why = (
+                    f"deadline passed while requeued after a priority preemption "
+                    f"({gone.completion_tokens} tokens had been streamed)"
+                    if gone.completion_tokens
+                    else "deadline passed while queued; the request never ran"
                 )
+                out.append((gone.mailbox, Delta(error=RequestError(ErrorKind.DEADLINE, why))))
         for h in result.cancelled:
             if (gone := self._items.pop(h, None)) is not None:
                 out.append(
@@ -422,6 +426,9 @@ class EngineWorker:
                 item.admitted_ns = now
             prompt, sampling = item.prompt_token_ids, item.sampling
             if item.output_token_ids:  # resuming after a preemption
+                # The time spent requeued is not a step's inter-token latency: the controller
+                # must not shrink the step budget for it (the client sees it; the bench counts it).
+                item.last_token_ns = 0
                 prompt = prompt + item.output_token_ids
                 sampling = dataclasses.replace(
                     sampling,
@@ -435,12 +442,31 @@ class EngineWorker:
                 priority=-item.priority,
             )
             self._running[h] = item
+            if item.priority < self._top_priority:
+                self._running_below_top += 1
             item.reserved_tokens = len(prompt) + sampling.max_tokens
             self._reserved_tokens += item.reserved_tokens
             self.stats.requests_added += 1
             self._metrics.prompt_tokens.inc(len(prompt))
         if out:
             self._deliver(out)
+
+    def _admission_room(self) -> int:
+        """How many requests to take from the queue now. With reserved top-priority slots,
+        requests below the top level may fill only concurrency_limit - reserved slots; the
+        rest is taken only by as many top-level requests as are waiting. The queue hands out
+        the highest (effective) priority first, so the first `top_take` of a batch are those."""
+        free = self.concurrency_limit - len(self._running)
+        reserved = min(self.reserved_top_slots, self.concurrency_limit - 1)
+        if free <= 0 or reserved <= 0:
+            return free
+        top_waiting = sum(self.queue.stats().depth[self._top_priority])
+        top_take = min(top_waiting, free)
+        running_top = len(self._running) - self._running_below_top
+        low_room = self.concurrency_limit - reserved - self._running_below_top
+        # Top-level requests beyond the reserve also use the shared slots.
+        low_room -= max(0, running_top - reserved)
+        return min(free, top_take + max(0, low_room))
 
     def _step(self) -> None:
         if self._step_hook is not None:
@@ -472,7 +498,7 @@ class EngineWorker:
                     self._prefill_est.add((now - item.admitted_ns) / 1e9)
                     if ctl is not None and ctl.metric == "ttft":
                         ctl.observe((now - item.accepted_ns) / 1e6)
-                else:
+                elif item.last_token_ns:
                     itl_s = (now - item.last_token_ns) / 1e9 / len(c.token_ids)
                     m.itl_seconds.observe(itl_s)
                     if ctl is not None and ctl.metric == "itl":
@@ -530,8 +556,14 @@ class EngineWorker:
         return [(self._retire(h).mailbox, Delta(error=err)) for h in late]
 
     def _retire(self, handle: int) -> WorkItem:
-        item = self._running.pop(handle)
+        item = self._leave_engine(handle)
         self._items.pop(handle, None)
+        return item
+
+    def _leave_engine(self, handle: int) -> WorkItem:
+        item = self._running.pop(handle)
+        if item.priority < self._top_priority:
+            self._running_below_top -= 1
         self._reserved_tokens -= item.reserved_tokens
         return item
 
@@ -543,7 +575,7 @@ class EngineWorker:
         free = self.concurrency_limit - len(self._running)
         room = self.kv_capacity_tokens - self._reserved_tokens if self.kv_capacity_tokens else 1
         if free > 0 and room > 0:
-            return  # admission will take them this iteration
+            return  # admission will take them this iteration (reserved slots included)
         stats = self.queue.stats()
         top = self._top_priority
         waiting = sum(stats.depth[top])
@@ -574,8 +606,7 @@ class EngineWorker:
             return
         self._engine.abort_request([str(h) for h in stopped])
         for h in stopped:
-            item = self._running.pop(h)
-            self._reserved_tokens -= item.reserved_tokens
+            item = self._leave_engine(h)
             item.reserved_tokens = 0
             item.preemptions += 1
         self._metrics.preemptions.labels("priority").inc(len(stopped))
@@ -596,6 +627,7 @@ class EngineWorker:
         victims = list(self._items.values())
         self._items.clear()
         self._running.clear()
+        self._running_below_top = 0
         self._reserved_tokens = 0
         self._deliver([(item.mailbox, Delta(error=err)) for item in victims])
 

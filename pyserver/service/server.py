@@ -55,6 +55,7 @@ class ServerSettings:
     aging_interval_s: float = 2.0
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption
+    reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use
     level_queue_timeout_ms: tuple[int, ...] = ()  # default queue timeout per level (0: none)
     max_prompt_tokens: int = 0  # 0: max_model_len - 1
     max_tokens_limit: int = 0  # 0: max_model_len - 1
@@ -180,6 +181,7 @@ class StreambatchServer:
             controller_knob=s.controller_knob,
             step_hook=_fault_after(s.fault_after_steps) if s.fault_after_steps else None,
             preempt_after_s=s.preempt_after_s,
+            reserved_top_slots=s.reserved_top_slots,
         )
         self.worker.on_failure = self._on_engine_failure
         limits = self._limits(self.worker)

@@ -154,6 +154,39 @@ def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(live_server)
         assert r.last.usage.prompt_tokens < 40  # the client's prompt, not prompt + output
 
 
+def test_reserved_top_slots_admit_top_priority_without_preempting(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    worker = live_server.worker
+    registry = live_server.server.metrics.registry
+
+    def preempted() -> float:
+        value = registry.get_sample_value("streambatch_preemptions_total", {"kind": "priority"})
+        return value or 0.0
+
+    assert wait_until(live_server.engine_idle, 30)
+    worker.reserved_top_slots = 2
+    try:
+        before = preempted()
+        with ThreadPoolExecutor(10) as pool:
+            lows = [
+                pool.submit(run_stream, s, request(f"Saga {i}", max_tokens=64, ignore_eos=True))
+                for i in range(8)
+            ]
+            # Low-priority requests fill max_num_seqs - 2 slots; the other two wait.
+            assert wait_until(lambda: worker.running == 6 and worker.queue.size() == 2, 30)
+            time.sleep(0.3)
+            assert worker.running == 6
+            high = run_stream(s, request("Urgent", max_tokens=8, priority=1, ignore_eos=True))
+            lows_done = [f.result(180) for f in lows]
+        assert high.code == grpc.StatusCode.OK
+        assert high.last.timings.queue_ms < 500, high.last.timings
+        assert preempted() == before  # a reserved slot was free: nobody was stopped
+        assert all(r.code == grpc.StatusCode.OK for r in lows_done)
+        assert all(r.last.usage.completion_tokens == 64 for r in lows_done)
+    finally:
+        worker.reserved_top_slots = 0
+
+
 def test_deadline_too_short_never_reaches_the_engine(live_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(live_server.target)
     with ThreadPoolExecutor(10) as pool:

@@ -85,7 +85,7 @@ def test_bad_settings(kwargs: dict[str, object], message: str) -> None:
 
 def test_multiplicative_token_budget_finds_the_slo_and_stays() -> None:
     """The step-token knob: latency grows with the per-step budget (prefill chunk size); the
-    controller halves until p99 <= SLO (shrink_above=1.0) and then holds."""
+    controller cuts it by a quarter until p99 <= SLO (shrink_above=1.0) and then holds."""
     clock = FakeClock()
     ctl = AdaptiveBatchController(
         100.0,
@@ -101,6 +101,20 @@ def test_multiplicative_token_budget_finds_the_slo_and_stays() -> None:
     assert 40 + final * 0.2 * 1.1 <= 100 * 1.05, final  # p99 at or under the SLO
     assert final >= 128, final  # and not shrunk further than needed
     assert len(set(limits[-200:])) == 1  # steady: no oscillation
+
+
+def test_token_budget_with_a_narrow_band_settles_just_under_the_slo() -> None:
+    """shrink above 1.0 x SLO, grow below 0.8 x SLO (what bench/priority.py runs): the budget
+    lands in the band, as large as it allows, and stays there."""
+    clock = FakeClock()
+    ctl = AdaptiveBatchController(
+        100.0, 256, min_limit=24, multiplicative=True, shrink_above=1.0, grow_below=0.8,
+        clock=clock,
+    )  # fmt: skip
+    limits = drive(ctl, clock, lambda budget: 30 + budget * 0.4, seconds=120)
+    final = limits[-1]
+    assert 80 <= 30 + final * 0.4 <= 100 * 1.05, final
+    assert len(set(limits[-600:])) == 1, sorted(set(limits[-600:]))
 
 
 def test_thresholds_are_checked() -> None:
