@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 from tqdm import tqdm
 
@@ -127,14 +129,32 @@ def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, ob
         "itl_p50_ms": round(float(np.median([g for c in done for g in c.gaps_s])) * 1e3, 1)
         if done
         else float("nan"),
+        "high_ttft_p50_ms": round(
+            float(np.median([c.ttft_s for c in done if c.priority == 1] or [0])) * 1e3, 1
+        ),
+        # Gaps over 1 s inside a stream: a preempted request waiting to resume.
+        "stalls_over_1s": sum(1 for c in done for g in c.gaps_s if g > 1.0),
         "output_tok_s": round(sum(c.tokens for c in done) / wall_s, 1),
         "complete_streams": sum(1 for c in done if c.tokens == max_tokens),
         "admitted_then_missed_deadline": len(missed),
     }
 
 
-def serve(args: argparse.Namespace, extra: list[str], log: str) -> tuple[Server, str]:
-    port = free_port()
+def server_counters(metrics_port: int) -> dict[str, float]:
+    """The server's own preemption and deadline-refusal counters, by label."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("streambatch_preemptions", "streambatch_deadline_refusals"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    label = next(iter(sample.labels.values()), "")
+                    out[f"{family.name.removeprefix('streambatch_')}_{label}"] = sample.value
+    return out
+
+
+def serve(args: argparse.Namespace, extra: list[str], log: str) -> tuple[Server, str, int]:
+    port, metrics_port = free_port(), free_port()
     cmd = [
         sys.executable, "-m", "pyserver.cli", "serve", "--port", str(port),
         "--max-num-seqs", str(args.max_num_seqs), "--queue-capacity", str(args.queue_capacity),
@@ -143,12 +163,12 @@ def serve(args: argparse.Namespace, extra: list[str], log: str) -> tuple[Server,
         "--aging-interval-ms", str(int(args.aging_s * 1000)),
         "--max-num-batched-tokens", str(args.step_tokens),
         "--reserved-top-slots", str(args.reserved_top_slots),
-        "--metrics-port", "-1", "--log-level", "WARNING", *extra,
+        "--metrics-port", str(metrics_port), "--log-level", "WARNING", *extra,
     ]  # fmt: skip
     server = Server(cmd, RESULTS / log)
     target = f"127.0.0.1:{port}"
     wait_until(lambda: grpc_serving(target), server.proc, "streambatch")
-    return server, target
+    return server, target, metrics_port
 
 
 def main() -> None:
@@ -177,7 +197,7 @@ def main() -> None:
     parser.add_argument(
         "--reserved-top-slots",
         type=int,
-        default=2,
+        default=3,
         help="engine slots only high-priority requests may use (both runs); preemption is the "
         "fallback when they are taken",
     )
@@ -196,9 +216,20 @@ def main() -> None:
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
 
-    server, target = serve(args, [], "priority-off.log")
+    server, target, metrics_port = serve(args, [], "priority-off.log")
     try:
-        cap = asyncio.run(capacity(target, args.max_num_seqs, args.max_tokens, 15.0))
+        cap = asyncio.run(
+            capacity(
+                target,
+                args.max_num_seqs,
+                args.max_tokens,
+                15.0,
+                # Every engine slot busy: the reserved ones by high-priority streams.
+                high_streams=max(
+                    args.reserved_top_slots, round(args.max_num_seqs * args.high_share)
+                ),
+            )
+        )
         args.rate = cap * args.overload
         base = asyncio.run(unloaded(target, 30, args.max_tokens))
         unloaded_ttft = p99_ms([c.ttft_s for c in base])
@@ -208,10 +239,12 @@ def main() -> None:
             f"{unloaded_ttft} ms, ITL p50 {unloaded_itl_p50:.1f} ms",
             file=sys.stderr,
         )
+        before = server_counters(metrics_port)
         off_calls, off_wall = asyncio.run(open_loop(target, args, "controller off", 1))
+        off_counters = {k: v - before.get(k, 0.0) for k, v in server_counters(metrics_port).items()}
     finally:
         server.stop()
-    off = summarize(off_calls, off_wall, args.max_tokens)
+    off = {**summarize(off_calls, off_wall, args.max_tokens), **off_counters}
     print(f"controller off: {json.dumps(off)}", file=sys.stderr)
 
     # The SLO a streaming user would state: no token gap worse than this. Derived (when not
@@ -222,12 +255,13 @@ def main() -> None:
         "--controller-knob", args.knob, "--controller-shrink-above", "1.0",
         "--controller-grow-below", str(args.grow_below),
     ]  # fmt: skip
-    server, target = serve(args, controller, "priority-on.log")
+    server, target, metrics_port = serve(args, controller, "priority-on.log")
     try:
         on_calls, on_wall = asyncio.run(open_loop(target, args, "controller on", 1))
+        on_counters = server_counters(metrics_port)
     finally:
         server.stop()
-    on = summarize(on_calls, on_wall, args.max_tokens)
+    on = {**summarize(on_calls, on_wall, args.max_tokens), **on_counters}
     print(f"controller on: {json.dumps(on)}", file=sys.stderr)
 
     result = {

@@ -131,8 +131,11 @@ async def open_loop(
     return tally, health
 
 
-async def capacity(target: str, concurrency: int, max_tokens: int, seconds: float) -> float:
-    """Completed requests per second with `concurrency` closed-loop clients."""
+async def capacity(
+    target: str, concurrency: int, max_tokens: int, seconds: float, high_streams: int = 0
+) -> float:
+    """Completed requests per second with `concurrency` closed-loop clients, the first
+    `high_streams` of them at priority 1 (so reserved top-priority slots are used too)."""
     texts = prompts(1000, seed=3)
     done = 0
     async with grpc.aio.insecure_channel(target) as ch:
@@ -143,7 +146,8 @@ async def capacity(target: str, concurrency: int, max_tokens: int, seconds: floa
             nonlocal done
             k = w
             while time.monotonic() < end:
-                async for _ in stub.Generate(generate_request(texts[k % 1000], max_tokens)):
+                req = generate_request(texts[k % 1000], max_tokens, int(w < high_streams))
+                async for _ in stub.Generate(req):
                     pass
                 done += 1
                 k += concurrency

@@ -472,7 +472,13 @@ class EngineWorker:
         if self._step_hook is not None:
             self._step_hook()
         started = time.monotonic_ns()
-        outputs = self._engine.step()
+        held = self._hold_lower_prefills()
+        try:
+            outputs = self._engine.step()
+        finally:
+            if held:
+                assert self._sched is not None
+                self._sched.running = held + self._sched.running
         self.stats.steps += 1
         now = time.monotonic_ns()
         batch = len(self._running)
@@ -527,6 +533,30 @@ class EngineWorker:
         out.extend(self._expire_running(now))
         if out:
             self._deliver(out)
+
+    def _hold_lower_prefills(self) -> list[Any]:
+        """While a top-priority request is prefilling, keep lower-priority requests that are
+        still prefilling out of this step, so the step's token budget goes to the urgent prompt
+        first. vLLM schedules every running request (prefill chunks included) before any
+        waiting one and preempts for priority only when KV blocks run out, so without this a
+        top-priority prompt waits behind low-priority prompt chunks. The held requests keep
+        their state and are put back after the step. Only with the engine in this process
+        (the scheduler is reachable); decodes are never held."""
+        sched, top = self._sched, self._top_priority
+        if sched is None or not any(
+            it.priority == top and not it.first_token_ns for it in self._running.values()
+        ):
+            return []
+        vllm_top = -top  # add_request passes -priority: lower is more urgent in vLLM
+        held = [
+            r
+            for r in sched.running
+            if r.priority > vllm_top and r.num_computed_tokens < r.num_prompt_tokens
+        ]
+        if held:
+            ids = {id(r) for r in held}
+            sched.running = [r for r in sched.running if id(r) not in ids]
+        return held
 
     def _can_wait(self, item: WorkItem, now: int) -> bool:
         """A request with a deadline is preempted only if it could wait as long as it has left

@@ -1,0 +1,52 @@
+"""EngineWorker._hold_lower_prefills on a stand-in scheduler: which requests sit out a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from pyserver.engine.worker import EngineWorker
+
+
+@dataclass
+class Req:  # the fields of vllm.v1.request.Request the rule reads
+    name: str
+    priority: int  # vLLM's: -(our priority)
+    num_computed_tokens: int
+    num_prompt_tokens: int
+
+
+def worker(running_items: list[Any], sched_running: list[Req]) -> EngineWorker:
+    w = EngineWorker.__new__(EngineWorker)  # no engine: only the fields the rule reads
+    w._sched = SimpleNamespace(running=sched_running)
+    w._top_priority = 1
+    w._running = {i: it for i, it in enumerate(running_items)}
+    return w
+
+
+def item(priority: int, first_token_ns: int) -> Any:
+    return SimpleNamespace(priority=priority, first_token_ns=first_token_ns)
+
+
+def test_low_prefills_sit_out_while_a_top_request_prefills() -> None:
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    low_decode = Req("low-decode", 0, 400, 100)
+    top_decode = Req("top-decode", -1, 90, 50)
+    w = worker([item(1, 0), item(0, 5)], [low_prefill, low_decode, top_decode])
+    held = w._hold_lower_prefills()
+    assert held == [low_prefill]
+    assert w._sched.running == [low_decode, top_decode]  # decodes are never held
+
+
+def test_nothing_is_held_without_a_prefilling_top_request() -> None:
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    w = worker([item(1, 123), item(0, 0)], [low_prefill])
+    assert w._hold_lower_prefills() == []
+    assert w._sched.running == [low_prefill]
+
+
+def test_nothing_is_held_when_the_scheduler_is_in_another_process() -> None:
+    w = worker([item(1, 0)], [])
+    w._sched = None
+    assert w._hold_lower_prefills() == []
