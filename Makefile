@@ -9,7 +9,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_HOST_IP ?= 127.0.0.1
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing bench-priority soak clean
+.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing bench-priority bench-batching profile soak clean
 
 # Third-party dependencies: reinstalled only when pyproject.toml changes.
 $(VENV)/.deps-stamp: pyproject.toml
@@ -65,6 +65,14 @@ bench: model
 # Priority, deadlines and the latency controller under 2x overload; last line JSON.
 bench-priority: model
 	$(PY) bench/priority.py
+
+# Batch window, max wait and length buckets against release-on-arrival, open loop; last line JSON.
+bench-batching: model
+	$(PY) bench/batching.py
+
+# Where a saturated server spends its time (py-spy), at 4 and 32 streams; last line JSON.
+profile: model
+	$(PY) bench/profile_server.py
 
 # Overload soak (3x capacity, 60 s), 2,000 hostile requests, then a normal call; last line JSON.
 soak: model
