@@ -47,6 +47,7 @@ from pyserver.telemetry.tracing import StepTracer
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+_WIDE_STEP_TOKENS = 64  # CPU: steps with at least this many tokens (prefill) use every core
 _DEADLINE_MARGIN = 1.5  # predicted service time x this must fit before the deadline
 
 
@@ -216,6 +217,7 @@ class EngineWorker:
         self._step_est = _Estimate()
         self._prefill_est = _Estimate()
         _count_engine_preemptions(engine, self._metrics)
+        _widen_threads_for_big_steps(engine)
         self._items: dict[int, WorkItem] = {}  # every accepted, unfinished request
         self._running: dict[int, WorkItem] = {}  # in the engine (worker thread only)
         self._reserved_tokens = 0  # prompt + max_tokens of running requests
@@ -701,6 +703,41 @@ def _count_engine_preemptions(engine: Any, metrics: Metrics) -> None:
         return original(*args, **kwargs)
 
     scheduler._preempt_request = counted  # type: ignore[union-attr]
+
+
+def _widen_threads_for_big_steps(engine: Any) -> None:
+    """On a CPU with the engine in this process, run steps of at least _WIDE_STEP_TOKENS tokens
+    (prompt prefill) on every usable core and smaller ones (decode) on the configured thread
+    count (`streambatch serve` defaults it to cores - 1). Measured on 2 cores
+    (docs/benchmarks.md): one thread makes small decode steps faster, with no OpenMP spin
+    against the gRPC event loop; two make prefill faster; switching per step gets both."""
+    scheduler = _scheduler(engine)
+    if scheduler is None or engine.vllm_config.device_config.device_type != "cpu":
+        return
+    import os
+
+    import torch
+
+    narrow = torch.get_num_threads()
+    wide = len(os.sched_getaffinity(0))
+    if wide <= narrow:
+        return
+    # vLLM's CPU worker replaces torch.set_num_threads with a warning; the binding is intact.
+    # OpenMP keeps the thread count per calling thread: this runs on the engine thread.
+    set_threads = torch._C.set_num_threads
+    original = scheduler.schedule
+    current = narrow
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        nonlocal current
+        out = original(*args, **kwargs)
+        want = wide if out.total_num_scheduled_tokens >= _WIDE_STEP_TOKENS else narrow
+        if want != current:
+            set_threads(want)
+            current = want
+        return out
+
+    scheduler.schedule = schedule
 
 
 def _publish(out: list[tuple[Mailbox, Delta]]) -> None:
