@@ -37,7 +37,7 @@ CONFIGS: dict[str, list[str]] = {
     "window 20 ms": ["--batch-window-ms", "20"],
     # The seed's rule: gather until the batch is full or the oldest has waited 50 ms.
     "max wait 50 ms (seed)": ["--batch-window-ms", "1000", "--max-wait-ms", "50"],
-    "length buckets 48,96,192": ["--bucket-bounds", "48,96,192"],
+    "length buckets 48/96/192": ["--bucket-bounds", "48,96,192"],
 }
 
 

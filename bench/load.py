@@ -52,6 +52,7 @@ class Report:
     samples: list[Sample] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    client_cpu_s: float = 0.0  # this load generator's own CPU time during the run
 
     def summary(self) -> dict[str, object]:
         ok = self.samples
@@ -78,6 +79,8 @@ class Report:
             "e2e_p50_ms": pct(e2e, 50),
             "e2e_p90_ms": pct(e2e, 90),
             "e2e_p99_ms": pct(e2e, 99),
+            # The client shares the machine with the server: its CPU is the server's loss.
+            "client_cpu_pct": round(100 * self.client_cpu_s / self.wall_s, 1),
             "errors": self.errors,
         }
 
@@ -141,9 +144,10 @@ async def closed_loop(
                 report.errors[name] = report.errors.get(name, 0) + 1
             bar.update()
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     report.wall_s = time.perf_counter() - start
+    report.client_cpu_s = time.process_time() - cpu
     bar.close()
     return report
 
