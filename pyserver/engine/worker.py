@@ -135,6 +135,12 @@ def _vllm_version() -> str:
     return f"vllm {vllm.__version__}"
 
 
+def _request_error_types() -> tuple[type[Exception], ...]:
+    from vllm.exceptions import VLLMClientError
+
+    return (VLLMClientError, ValueError)
+
+
 def _sampling_params(s: Sampling) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -185,6 +191,7 @@ class EngineWorker:
         cache = engine.vllm_config.cache_config
         self.kv_capacity_tokens: int = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
         self._sched = _scheduler(engine)
+        self._request_errors = _request_error_types()
         self.step_token_budget = step_token_budget(engine)
         if controller_knob not in ("concurrency", "step_tokens"):
             raise ValueError(
@@ -437,12 +444,25 @@ class EngineWorker:
                     max_tokens=sampling.max_tokens - item.completion_tokens,
                     min_tokens=max(0, sampling.min_tokens - item.completion_tokens),
                 )
-            self._engine.add_request(
-                str(h),
-                {"prompt_token_ids": prompt},
-                _sampling_params(sampling),
-                priority=-item.priority,
-            )
+            try:
+                self._engine.add_request(
+                    str(h),
+                    {"prompt_token_ids": prompt},
+                    _sampling_params(sampling),
+                    priority=-item.priority,
+                )
+            except self._request_errors as exc:
+                # vLLM validates a request before it touches engine state (its client errors,
+                # SamplingParams' ValueErrors): this request is bad, the engine is fine.
+                # Anything else still fails the engine (see _run).
+                log.warning(
+                    "engine refused request %d (%d prompt tokens, %s): %s",
+                    h, len(prompt), sampling, exc,
+                )  # fmt: skip
+                self._items.pop(h, None)
+                err = RequestError(ErrorKind.INVALID, f"the engine refused the request: {exc}")
+                out.append((item.mailbox, Delta(error=err)))
+                continue
             self._running[h] = item
             if item.priority < self._top_priority:
                 self._running_below_top += 1

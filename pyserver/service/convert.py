@@ -144,6 +144,8 @@ def prompt_token_ids(
             )
     else:
         ids = _chat_ids(request.chat, tokenizer, limits)
+    if not ids:
+        raise invalid("prompt", "tokenizes to no tokens; send some text")
     if len(ids) > limits.max_prompt_tokens:
         raise invalid(
             "prompt",

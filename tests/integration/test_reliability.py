@@ -222,3 +222,36 @@ def test_engine_fault_ends_every_stream_unavailable_and_exits(live_server, tmp_p
         print(f"engine fault: 6 calls ended UNAVAILABLE within {lag * 1e3:.0f} ms; exit 1")
     finally:
         stop(proc)
+
+
+def test_a_request_the_engine_refuses_fails_alone(live_server) -> None:  # type: ignore[no-untyped-def]
+    """vLLM validates requests itself (VLLMValidationError) on add_request; such a refusal must
+    end that one call INVALID_ARGUMENT, not fail the engine for everyone. An empty prompt,
+    which the servicer never lets through, is one vLLM refuses."""
+    import asyncio
+
+    from pyserver.domain import ErrorKind, Mailbox, Sampling, WorkItem
+
+    worker = live_server.worker
+
+    async def submit_and_wait():  # type: ignore[no-untyped-def]
+        box = Mailbox()
+        worker.submit(
+            WorkItem(
+                handle=worker.new_handle(),
+                request_id="refused-by-engine",
+                prompt_token_ids=[],
+                sampling=Sampling(max_tokens=2),
+                priority=0,
+                deadline_ns=0,
+                accepted_ns=time.monotonic_ns(),
+                mailbox=box,
+            )
+        )
+        return await asyncio.wait_for(box.get(), 30)
+
+    delta = asyncio.run_coroutine_threadsafe(submit_and_wait(), live_server.loop).result(60)
+    assert delta.error is not None and delta.error.kind == ErrorKind.INVALID, delta
+    assert "prompt" in delta.error.message
+    assert worker.failed is None
+    assert stub(live_server.target).Complete(request("Say hi.", max_tokens=2), timeout=60).tokens
