@@ -161,7 +161,8 @@ def serve(args: argparse.Namespace, extra: list[str], log: str) -> tuple[Server,
         "--level-capacity", f"{args.queue_capacity - args.queue_capacity // 4},0",
         "--level-queue-timeout-ms", f"{int(args.low_queue_timeout_s * 1000)},0",
         "--aging-interval-ms", str(int(args.aging_s * 1000)),
-        "--max-num-batched-tokens", str(args.step_tokens),
+        "--max-num-batched-tokens", str(args.max_step_tokens),
+        "--step-tokens", str(args.step_tokens),
         "--reserved-top-slots", str(args.reserved_top_slots),
         "--metrics-port", str(metrics_port), "--log-level", "WARNING", *extra,
     ]  # fmt: skip
@@ -191,8 +192,15 @@ def main() -> None:
     parser.add_argument(
         "--step-tokens",
         type=int,
+        default=128,
+        help="token budget of a normal engine step (both runs; the controller moves it)",
+    )
+    parser.add_argument(
+        "--max-step-tokens",
+        type=int,
         default=256,
-        help="engine per-step token budget (both runs; the controller may lower it)",
+        help="the engine's maximum (--max-num-batched-tokens): what a high-priority prompt's "
+        "prefill step may use",
     )
     parser.add_argument(
         "--reserved-top-slots",

@@ -94,6 +94,15 @@ def _serve_parser(sub: Any) -> None:
     )
     _add(
         p,
+        "--step-tokens",
+        int,
+        0,
+        "token budget of a normal engine step, below --max-num-batched-tokens (0: the same); a "
+        "top-priority prompt's prefill step may use the full --max-num-batched-tokens "
+        "(in-process engine)",
+    )
+    _add(
+        p,
         "--reserved-top-slots",
         int,
         0,
@@ -252,6 +261,7 @@ def _serve(args: argparse.Namespace) -> int:
         level_capacity=args.level_capacity,
         level_queue_timeout_ms=args.level_queue_timeout_ms,
         reserved_top_slots=args.reserved_top_slots,
+        step_tokens=args.step_tokens,
         preempt_after_s=None if args.preempt_after_ms < 0 else args.preempt_after_ms / 1e3,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,

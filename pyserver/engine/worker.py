@@ -177,6 +177,7 @@ class EngineWorker:
         step_hook: Callable[[], None] | None = None,
         preempt_after_s: float | None = 0.0,
         reserved_top_slots: int = 0,
+        step_tokens: int = 0,
     ) -> None:
         self._engine = engine
         self._metrics = metrics or Metrics()
@@ -192,7 +193,23 @@ class EngineWorker:
         self.kv_capacity_tokens: int = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
         self._sched = _scheduler(engine)
         self._request_errors = _request_error_types()
-        self.step_token_budget = step_token_budget(engine)
+        # The engine's maximum (its input buffers are sized for it) and the budget normal steps
+        # get, which may be lower (--step-tokens, or the controller); a top-priority prompt's
+        # prefill step may use the maximum (see _hold_lower_prefills).
+        self.max_step_tokens = step_token_budget(engine)
+        self.step_token_budget = self.max_step_tokens
+        if step_tokens:
+            if self._sched is None:
+                raise ValueError(
+                    "--step-tokens needs the engine in this process (--engine-process inproc)"
+                )
+            if not 0 < step_tokens <= self.max_step_tokens:
+                raise ValueError(
+                    f"--step-tokens must be in (0, {self.max_step_tokens}] "
+                    f"(--max-num-batched-tokens), got {step_tokens}"
+                )
+            self._sched.max_num_scheduled_tokens = step_tokens
+            self.step_token_budget = step_tokens
         if controller_knob not in ("concurrency", "step_tokens"):
             raise ValueError(
                 f"controller knob must be concurrency or step_tokens, got {controller_knob!r}"
@@ -498,9 +515,10 @@ class EngineWorker:
         try:
             outputs = self._engine.step()
         finally:
-            if held:
+            if held is not None:
                 assert self._sched is not None
                 self._sched.running = held + self._sched.running
+                self._sched.max_num_scheduled_tokens = self.step_token_budget
         self.stats.steps += 1
         now = time.monotonic_ns()
         batch = len(self._running)
@@ -556,19 +574,21 @@ class EngineWorker:
         if out:
             self._deliver(out)
 
-    def _hold_lower_prefills(self) -> list[Any]:
+    def _hold_lower_prefills(self) -> list[Any] | None:
         """While a top-priority request is prefilling, keep lower-priority requests that are
-        still prefilling out of this step, so the step's token budget goes to the urgent prompt
-        first. vLLM schedules every running request (prefill chunks included) before any
+        still prefilling out of this step, and let the step use the engine's full token budget
+        (above --step-tokens), so the urgent prompt is prefilled first and in as few steps as
+        possible. vLLM schedules every running request (prefill chunks included) before any
         waiting one and preempts for priority only when KV blocks run out, so without this a
-        top-priority prompt waits behind low-priority prompt chunks. The held requests keep
-        their state and are put back after the step. Only with the engine in this process
-        (the scheduler is reachable); decodes are never held."""
+        top-priority prompt waits behind low-priority prompt chunks. Returns the held requests
+        (put back after the step, with the budget) or None when nothing was changed. Only with
+        the engine in this process (the scheduler is reachable); decodes are never held."""
         sched, top = self._sched, self._top_priority
         if sched is None or not any(
             it.priority == top and not it.first_token_ns for it in self._running.values()
         ):
-            return []
+            return None
+        sched.max_num_scheduled_tokens = self.max_step_tokens
         vllm_top = -top  # add_request passes -priority: lower is more urgent in vLLM
         held = [
             r

@@ -56,6 +56,7 @@ class ServerSettings:
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption
     reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use
+    step_tokens: int = 0  # per-step token budget of normal steps (0: max_num_batched_tokens)
     level_queue_timeout_ms: tuple[int, ...] = ()  # default queue timeout per level (0: none)
     max_prompt_tokens: int = 0  # 0: max_model_len - 1
     max_tokens_limit: int = 0  # 0: max_model_len - 1
@@ -168,6 +169,7 @@ class StreambatchServer:
                 # Every running sequence needs its decode token in a step.
                 min_limit=min(max_limit, s.engine.max_num_seqs + 16) if tokens else 1,
                 multiplicative=tokens,
+                initial=(s.step_tokens or None) if tokens else None,
                 shrink_above=s.controller_shrink_above,
                 grow_below=s.controller_grow_below,
             )
@@ -182,6 +184,7 @@ class StreambatchServer:
             step_hook=_fault_after(s.fault_after_steps) if s.fault_after_steps else None,
             preempt_after_s=s.preempt_after_s,
             reserved_top_slots=s.reserved_top_slots,
+            step_tokens=s.step_tokens,
         )
         self.worker.on_failure = self._on_engine_failure
         limits = self._limits(self.worker)

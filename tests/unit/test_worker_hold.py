@@ -19,7 +19,8 @@ class Req:  # the fields of vllm.v1.request.Request the rule reads
 
 def worker(running_items: list[Any], sched_running: list[Req]) -> EngineWorker:
     w = EngineWorker.__new__(EngineWorker)  # no engine: only the fields the rule reads
-    w._sched = SimpleNamespace(running=sched_running)
+    w._sched = SimpleNamespace(running=sched_running, max_num_scheduled_tokens=128)
+    w.max_step_tokens = 512
     w._top_priority = 1
     w._running = {i: it for i, it in enumerate(running_items)}
     return w
@@ -37,16 +38,18 @@ def test_low_prefills_sit_out_while_a_top_request_prefills() -> None:
     held = w._hold_lower_prefills()
     assert held == [low_prefill]
     assert w._sched.running == [low_decode, top_decode]  # decodes are never held
+    assert w._sched.max_num_scheduled_tokens == 512  # the urgent prompt gets the full budget
 
 
 def test_nothing_is_held_without_a_prefilling_top_request() -> None:
     low_prefill = Req("low-prefill", 0, 32, 400)
     w = worker([item(1, 123), item(0, 0)], [low_prefill])
-    assert w._hold_lower_prefills() == []
+    assert w._hold_lower_prefills() is None
     assert w._sched.running == [low_prefill]
+    assert w._sched.max_num_scheduled_tokens == 128
 
 
 def test_nothing_is_held_when_the_scheduler_is_in_another_process() -> None:
     w = worker([item(1, 0)], [])
     w._sched = None
-    assert w._hold_lower_prefills() == []
+    assert w._hold_lower_prefills() is None
