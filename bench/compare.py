@@ -31,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,31 +122,32 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def run_streambatch(args: argparse.Namespace, texts: list[str]) -> Sweep:
+def start_streambatch(
+    args: argparse.Namespace, log: str, extra: Sequence[str] = ()
+) -> tuple[Server, str]:
+    """`streambatch serve` on a free loopback port with the engine arguments every target
+    gets; returns once it reports SERVING."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     server = Server(
         [
-            sys.executable,
-            "-m",
-            "pyserver.cli",
-            "serve",
-            "--model",
-            args.model,
-            "--port",
-            str(port),
-            *engine_flags(args),
-            "--metrics-port",
-            "-1",
-            "--queue-capacity",
-            "4096",
-            "--log-level",
-            "WARNING",
+            sys.executable, "-m", "pyserver.cli", "serve", "--model", args.model,
+            "--port", str(port), *engine_flags(args), "--metrics-port", "-1",
+            "--queue-capacity", "4096", "--log-level", "WARNING", *extra,
         ],
-        RESULTS / "streambatch.log",
-    )
+        RESULTS / log,
+    )  # fmt: skip
     try:
         wait_until(lambda: grpc_serving(target), server.proc, "streambatch")
+    except BaseException:
+        server.stop()
+        raise
+    return server, target
+
+
+def run_streambatch(args: argparse.Namespace, texts: list[str]) -> Sweep:
+    server, target = start_streambatch(args, "streambatch.log")
+    try:
 
         async def go() -> Sweep:
             async with grpc.aio.insecure_channel(target) as channel:

@@ -30,14 +30,7 @@ from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from compare import (  # noqa: E402
-    RESULTS,
-    Server,
-    free_port,
-    grpc_serving,
-    templated,
-    wait_until,
-)
+from compare import RESULTS, start_streambatch, templated  # noqa: E402
 from load import Sample, closed_loop, generate_request, one, prompts  # noqa: E402
 
 # Inclusive shares reported for these frames (function name as py-spy prints it, file suffix).
@@ -101,37 +94,9 @@ def summarize(raw: Path, top: int = 15) -> dict[str, Any]:
 
 
 def profile_level(args: argparse.Namespace, texts: list[str], concurrency: int) -> dict[str, Any]:
-    port = free_port()
-    target = f"127.0.0.1:{port}"
-    server = Server(
-        [
-            sys.executable,
-            "-m",
-            "pyserver.cli",
-            "serve",
-            "--model",
-            args.model,
-            "--port",
-            str(port),
-            "--dtype",
-            args.dtype,
-            "--max-num-seqs",
-            "32",
-            "--max-model-len",
-            "2048",
-            "--metrics-port",
-            "-1",
-            "--queue-capacity",
-            "4096",
-            "--log-level",
-            "WARNING",
-            *args.server_arg,
-        ],
-        RESULTS / f"profile-c{concurrency}.log",
-    )
+    server, target = start_streambatch(args, f"profile-c{concurrency}.log", args.server_arg)
     raw = RESULTS / f"profile-c{concurrency}.txt"
     try:
-        wait_until(lambda: grpc_serving(target), server.proc, "streambatch")
 
         async def go() -> Any:
             async with grpc.aio.insecure_channel(target) as channel:
@@ -186,6 +151,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default="")
     p.add_argument("--dtype", default="auto")
+    # The engine arguments `make bench` gives every target (bench/compare.py).
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=0)
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument(
         "--server-arg", action="append", default=[], help="extra `streambatch serve` argument"

@@ -236,7 +236,6 @@ class EngineWorker:
                 f"{reserved_top_slots} with max_num_seqs {self.max_num_seqs}"
             )
         self.reserved_top_slots: int = reserved_top_slots
-        self._running_below_top = 0  # running requests under the top level (worker thread)
         # Running estimates (EWMA of value and of absolute deviation) for deadline admission.
         self._step_est = _Estimate()
         self._prefill_est = _Estimate()
@@ -481,8 +480,6 @@ class EngineWorker:
                 out.append((item.mailbox, Delta(error=err)))
                 continue
             self._running[h] = item
-            if item.priority < self._top_priority:
-                self._running_below_top += 1
             item.reserved_tokens = len(prompt) + sampling.max_tokens
             self._reserved_tokens += item.reserved_tokens
             self.stats.requests_added += 1
@@ -499,10 +496,11 @@ class EngineWorker:
         reserved = min(self.reserved_top_slots, self.concurrency_limit - 1)
         if free <= 0 or reserved <= 0:
             return free
-        top_waiting = sum(self.queue.stats().depth[self._top_priority])
-        top_take = min(top_waiting, free)
-        running_top = len(self._running) - self._running_below_top
-        low_room = self.concurrency_limit - reserved - self._running_below_top
+        top = self._top_priority
+        top_take = min(sum(self.queue.stats().depth[top]), free)
+        running_top = sum(1 for it in self._running.values() if it.priority == top)
+        running_below_top = len(self._running) - running_top
+        low_room = self.concurrency_limit - reserved - running_below_top
         # Top-level requests beyond the reserve also use the shared slots.
         low_room -= max(0, running_top - reserved)
         return min(free, top_take + max(0, low_room))
@@ -634,8 +632,6 @@ class EngineWorker:
 
     def _leave_engine(self, handle: int) -> WorkItem:
         item = self._running.pop(handle)
-        if item.priority < self._top_priority:
-            self._running_below_top -= 1
         self._reserved_tokens -= item.reserved_tokens
         return item
 
@@ -699,7 +695,6 @@ class EngineWorker:
         victims = list(self._items.values())
         self._items.clear()
         self._running.clear()
-        self._running_below_top = 0
         self._reserved_tokens = 0
         self._deliver([(item.mailbox, Delta(error=err)) for item in victims])
 
