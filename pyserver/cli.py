@@ -71,8 +71,8 @@ def _serve_parser(sub: Any) -> None:
         "--engine-threads",
         int,
         0,
-        "CPU threads for the model's torch ops (0: the usable cores minus one, at least 1, "
-        "leaving a core to gRPC; OMP_NUM_THREADS in the environment wins)",
+        "CPU threads for the model's torch ops (0: torch's default, every usable core; "
+        "sets OMP_NUM_THREADS)",
     )
     _add(p, "--priority-levels", int, 2, "priority levels (0 normal .. N-1 most urgent)")
     _add(p, "--queue-capacity", int, 1024, "waiting requests before RESOURCE_EXHAUSTED")
@@ -207,14 +207,11 @@ def _prepare_engine_env(args: argparse.Namespace) -> None:
     os.environ.setdefault(
         "VLLM_ENABLE_V1_MULTIPROCESSING", "0" if args.engine_process == "inproc" else "1"
     )
-    # Read by the OpenMP runtime when torch loads. vLLM's own servers give the engine process
-    # all cores but one; in-process we do the same, or torch's threads spin against the event
-    # loop on every small decode step (measured: +20 % tokens/s at 4 streams on 2 cores,
-    # docs/benchmarks.md). A separate engine process is configured by vLLM itself.
+    # Read by the OpenMP runtime when torch loads. The default is every usable core: measured
+    # on 2 cores, one thread fewer (leaving a core to gRPC, as vLLM's servers do for their
+    # engine process) loses 23-28 % tokens/s at 4 and 32 streams (docs/benchmarks.md).
     if args.engine_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(args.engine_threads)
-    else:
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
 
 
 def _serve(args: argparse.Namespace) -> int:

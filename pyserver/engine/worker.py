@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,6 @@ from pyserver.telemetry.tracing import StepTracer
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
-_WIDE_STEP_TOKENS = 64  # CPU: steps with at least this many tokens (prefill) use every core
 _DEADLINE_MARGIN = 1.5  # predicted service time x this must fit before the deadline
 
 
@@ -94,7 +94,7 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
-def build_engine(options: EngineOptions) -> Any:
+def _construct_engine(options: EngineOptions) -> Any:
     from vllm import EngineArgs, LLMEngine
 
     kwargs: dict[str, Any] = dict(
@@ -116,6 +116,18 @@ def build_engine(options: EngineOptions) -> Any:
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
     kwargs.update(options.extra)
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+
+
+def build_engine(options: EngineOptions) -> Any:
+    """The engine, built on a thread that exits once it is built (blocking: call it off the
+    event loop). Building runs torch ops, and OpenMP keeps a thread team for every thread that
+    ran one, until that thread exits. A team left on a pool thread while the engine steps on its
+    own thread puts more OpenMP threads in the process than there are cores, and then libgomp
+    cuts its workers' spin-wait to almost nothing: every parallel region of every step wakes
+    its workers from sleep. Measured on 2 cores (docs/benchmarks.md): offline generation on a
+    second thread ran at the speed of one thread until the building thread was gone."""
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-build") as pool:
+        return pool.submit(_construct_engine, options).result()
 
 
 def _scheduler(engine: Any) -> Any | None:
@@ -240,7 +252,6 @@ class EngineWorker:
         self._step_est = _Estimate()
         self._prefill_est = _Estimate()
         _count_engine_preemptions(engine, self._metrics)
-        _widen_threads_for_big_steps(engine)
         self._items: dict[int, WorkItem] = {}  # every accepted, unfinished request
         self._running: dict[int, WorkItem] = {}  # in the engine (worker thread only)
         self._reserved_tokens = 0  # prompt + max_tokens of running requests
@@ -738,41 +749,6 @@ def _count_engine_preemptions(engine: Any, metrics: Metrics) -> None:
         return original(*args, **kwargs)
 
     scheduler._preempt_request = counted  # type: ignore[union-attr]
-
-
-def _widen_threads_for_big_steps(engine: Any) -> None:
-    """On a CPU with the engine in this process, run steps of at least _WIDE_STEP_TOKENS tokens
-    (prompt prefill) on every usable core and smaller ones (decode) on the configured thread
-    count (`streambatch serve` defaults it to cores - 1). Measured on 2 cores
-    (docs/benchmarks.md): one thread makes small decode steps faster, with no OpenMP spin
-    against the gRPC event loop; two make prefill faster; switching per step gets both."""
-    scheduler = _scheduler(engine)
-    if scheduler is None or engine.vllm_config.device_config.device_type != "cpu":
-        return
-    import os
-
-    import torch
-
-    narrow = torch.get_num_threads()
-    wide = len(os.sched_getaffinity(0))
-    if wide <= narrow:
-        return
-    # vLLM's CPU worker replaces torch.set_num_threads with a warning; the binding is intact.
-    # OpenMP keeps the thread count per calling thread: this runs on the engine thread.
-    set_threads = torch._C.set_num_threads
-    original = scheduler.schedule
-    current = narrow
-
-    def schedule(*args: Any, **kwargs: Any) -> Any:
-        nonlocal current
-        out = original(*args, **kwargs)
-        want = wide if out.total_num_scheduled_tokens >= _WIDE_STEP_TOKENS else narrow
-        if want != current:
-            set_threads(want)
-            current = want
-        return out
-
-    scheduler.schedule = schedule
 
 
 def _publish(out: list[tuple[Mailbox, Delta]]) -> None:
