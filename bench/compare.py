@@ -9,7 +9,9 @@ stopped by this script on loopback:
                 smg-grpc-servicer), streaming Generate on token ids
   seed_fastapi  the seed article's design (bench/peers/seed_fastapi.py), blocking generate
   offline       vllm.LLM.generate over the whole workload (bench/peers/offline.py) with the
-                engine core in-process, as streambatch runs it: the ceiling
+                engine core in-process and stepped on its own thread, as streambatch runs
+                it: the ceiling
+  offline_main  the same on the main thread, as a script usually runs it (slower here)
   offline_mp    the same with vLLM's default process model (engine core in a child process)
 Same prompts for all (seeded, chat-templated once with the model's tokenizer, sent as raw
 text; token ids for vllm_grpc), fixed output length (ignore_eos), closed-loop concurrency,
@@ -371,9 +373,13 @@ async def sweep(send: Any, texts: list[str], args: argparse.Namespace, label: st
     return out
 
 
-def run_offline(args: argparse.Namespace, texts: list[str], inproc: bool = True) -> dict[str, Any]:
+def run_offline(
+    args: argparse.Namespace, texts: list[str], inproc: bool = True, thread: str = "engine"
+) -> dict[str, Any]:
     """inproc: the engine core in the calling process, streambatch's process model, so this is
-    the ceiling streambatch can reach; otherwise vLLM's default (engine core in a child)."""
+    the ceiling streambatch can reach; otherwise vLLM's default (engine core in a child).
+    thread: "engine" steps it on a thread of its own, as streambatch does; "main" on the main
+    thread (bench/peers/offline.py says why they differ)."""
     path = RESULTS / "prompts.json"
     path.write_text(json.dumps(texts[args.warmup :]))
     out = subprocess.run(
@@ -386,6 +392,8 @@ def run_offline(args: argparse.Namespace, texts: list[str], inproc: bool = True)
             str(path),
             "--max-tokens",
             str(args.max_tokens),
+            "--thread",
+            thread,
             *engine_flags(args),
         ],
         capture_output=True,
@@ -481,7 +489,9 @@ def main() -> None:
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=0, help="per-step token budget (0: vLLM's)"
     )
-    p.add_argument("--targets", default="streambatch,vllm_openai,vllm_grpc,seed_fastapi,offline")
+    p.add_argument(
+        "--targets", default="streambatch,vllm_openai,vllm_grpc,seed_fastapi,offline,offline_main"
+    )
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     if args.concurrency not in args.sweep:
@@ -502,6 +512,7 @@ def main() -> None:
         "vllm_grpc": run_vllm_grpc,
         "seed_fastapi": run_seed,
         "offline": run_offline,
+        "offline_main": functools.partial(run_offline, thread="main"),
         "offline_mp": functools.partial(run_offline, inproc=False),
     }
     results: dict[str, dict[str, Any]] = {}
