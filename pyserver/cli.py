@@ -221,10 +221,15 @@ def _serve(args: argparse.Namespace) -> int:
     _prepare_engine_env(args)  # before anything (the model conversion) loads torch
     model = args.model
     if not model:
+        from pyserver.engine import on_passing_thread
         from pyserver.model import default_model_dir, is_converted, pull_default_model
 
+        # A first pull converts and test-runs the model with torch: off the main thread, so
+        # no OpenMP team of its own outlives it in the serving process (see build_engine).
         model = str(
-            default_model_dir() if is_converted(default_model_dir()) else pull_default_model()
+            default_model_dir()
+            if is_converted(default_model_dir())
+            else on_passing_thread(pull_default_model)
         )
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     elif Path(model).is_dir():

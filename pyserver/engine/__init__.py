@@ -7,7 +7,15 @@ from pyserver.engine.worker import (
     EngineStats,
     EngineWorker,
     build_engine,
+    on_passing_thread,
     step_token_budget,
 )
 
-__all__ = ["EngineOptions", "EngineStats", "EngineWorker", "build_engine", "step_token_budget"]
+__all__ = [
+    "EngineOptions",
+    "EngineStats",
+    "EngineWorker",
+    "build_engine",
+    "on_passing_thread",
+    "step_token_budget",
+]

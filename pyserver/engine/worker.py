@@ -37,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pyserver.batching import BatchQueue, PushStatus, QueueConfig
 from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
@@ -46,6 +46,7 @@ from pyserver.telemetry.metrics import Metrics
 from pyserver.telemetry.tracing import StepTracer
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _IDLE_WAIT_S = 0.05
 _DEADLINE_MARGIN = 1.5  # predicted service time x this must fit before the deadline
@@ -126,8 +127,14 @@ def build_engine(options: EngineOptions) -> Any:
     cuts its workers' spin-wait to almost nothing: every parallel region of every step wakes
     its workers from sleep. Measured on 2 cores (docs/benchmarks.md): offline generation on a
     second thread ran at the speed of one thread until the building thread was gone."""
-    with ThreadPoolExecutor(1, thread_name_prefix="engine-build") as pool:
-        return pool.submit(_construct_engine, options).result()
+    return on_passing_thread(_construct_engine, options)
+
+
+def on_passing_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """fn(*args) on a new thread that has exited when this returns, so whatever OpenMP team
+    fn's torch ops left is gone with it (see build_engine)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="torch-setup") as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _scheduler(engine: Any) -> Any | None:
