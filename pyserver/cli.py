@@ -98,8 +98,8 @@ def _serve_parser(sub: Any) -> None:
         int,
         0,
         "token budget of a normal engine step, below --max-num-batched-tokens (0: the same); a "
-        "top-priority prompt's prefill step may use the full --max-num-batched-tokens "
-        "(in-process engine)",
+        "top-priority prompt's prefill step may use the full --max-num-batched-tokens unless "
+        "the controller governs step tokens (in-process engine)",
     )
     _add(
         p,

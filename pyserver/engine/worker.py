@@ -604,7 +604,7 @@ class EngineWorker:
             it.priority == top and not it.first_token_ns for it in self._running.values()
         ):
             return None
-        sched.max_num_scheduled_tokens = self.max_step_tokens
+        sched.max_num_scheduled_tokens = self._urgent_step_budget()
         vllm_top = -top  # add_request passes -priority: lower is more urgent in vLLM
         held = [
             r
@@ -615,6 +615,14 @@ class EngineWorker:
             ids = {id(r) for r in held}
             sched.running = [r for r in sched.running if id(r) not in ids]
         return held
+
+    def _urgent_step_budget(self) -> int:
+        """An urgent prompt's step may use the engine's whole token budget, unless the controller
+        holds steps to a latency SLO: then no step, urgent or not, exceeds the controller's
+        budget (a step that prefills a whole prompt is a token gap for every other stream)."""
+        if self._controller is not None and self._knob == "step_tokens":
+            return self.step_token_budget
+        return self.max_step_tokens
 
     def _can_wait(self, item: WorkItem, now: int) -> bool:
         """A request with a deadline is preempted only if it could wait as long as it has left

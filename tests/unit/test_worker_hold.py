@@ -21,6 +21,9 @@ def worker(running_items: list[Any], sched_running: list[Req]) -> EngineWorker:
     w = EngineWorker.__new__(EngineWorker)  # no engine: only the fields the rule reads
     w._sched = SimpleNamespace(running=sched_running, max_num_scheduled_tokens=128)
     w.max_step_tokens = 512
+    w.step_token_budget = 128
+    w._controller = None
+    w._knob = "concurrency"
     w._top_priority = 1
     w._running = {i: it for i, it in enumerate(running_items)}
     return w
@@ -39,6 +42,14 @@ def test_low_prefills_sit_out_while_a_top_request_prefills() -> None:
     assert held == [low_prefill]
     assert w._sched.running == [low_decode, top_decode]  # decodes are never held
     assert w._sched.max_num_scheduled_tokens == 512  # the urgent prompt gets the full budget
+
+
+def test_with_a_token_budget_controller_the_urgent_step_keeps_its_budget() -> None:
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    w = worker([item(1, 0), item(0, 0)], [low_prefill])
+    w._controller, w._knob, w.step_token_budget = object(), "step_tokens", 96
+    assert w._hold_lower_prefills() == [low_prefill]  # the urgent prompt still goes first
+    assert w._sched.max_num_scheduled_tokens == 96  # but its step respects the latency SLO
 
 
 def test_nothing_is_held_without_a_prefilling_top_request() -> None:
