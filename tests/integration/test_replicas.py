@@ -14,7 +14,15 @@ import grpc
 import pytest
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
-from integration.helpers import free_port, health_status, request, run_stream, spawn_server, stop
+from integration.helpers import (
+    StreamResult,
+    free_port,
+    health_status,
+    request,
+    run_stream,
+    spawn_server,
+    stop,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -59,12 +67,16 @@ def test_round_robin_over_two_replicas_and_drain(live_server, tmp_path) -> None:
 
         # Drain replica 0 while a stream holds it open: its health turns NOT_SERVING.
         (port0, metrics0, proc0), (_, metrics1, _) = replicas
+        # Long enough to outlast the checks below at any engine speed (60 tokens took under
+        # 2 s once the engine used both cores, and the replica had exited before them).
+        held: list[StreamResult] = []
         holder = threading.Thread(
-            target=run_stream,
-            args=(
-                pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port0}")),
-                request("A long story", max_tokens=60, ignore_eos=True),
-            ),
+            target=lambda: held.append(
+                run_stream(
+                    pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port0}")),
+                    request("A long story", max_tokens=400, ignore_eos=True),
+                )
+            )
         )
         holder.start()
         time.sleep(1.0)
@@ -79,6 +91,11 @@ def test_round_robin_over_two_replicas_and_drain(live_server, tmp_path) -> None:
         assert served(metrics0) == before0, "a draining replica received new calls"
         assert served(metrics1) == before1 + 4
         holder.join(120)
+        (stream,) = held
+        assert stream.code == grpc.StatusCode.OK, (
+            f"the draining replica cut its stream: {stream.details}"
+        )
+        assert stream.last.usage.completion_tokens == 400
         assert proc0.wait(120) == 0
     finally:
         for _, _, proc in replicas:
