@@ -48,6 +48,8 @@ class Call:
     tokens: int = 0
     code: str = "OK"
     details: str = ""
+    server_queue_ms: float = 0.0  # from the final message's Timings: accepted -> admitted
+    server_ttft_ms: float = 0.0  # accepted -> first token, as the server saw it
 
 
 async def one(
@@ -59,6 +61,9 @@ async def one(
         async for msg in stub.Generate(
             generate_request(text, max_tokens, priority), timeout=deadline_s
         ):
+            if msg.HasField("timings"):
+                call.server_queue_ms = msg.timings.queue_ms
+                call.server_ttft_ms = msg.timings.ttft_ms
             n = len(msg.token_ids)
             if not n:
                 continue
@@ -137,6 +142,14 @@ def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, ob
         "output_tok_s": round(sum(c.tokens for c in done) / wall_s, 1),
         "complete_streams": sum(1 for c in done if c.tokens == max_tokens),
         "admitted_then_missed_deadline": len(missed),
+        # Where the slowest high-priority first tokens lost their time: client TTFT, the
+        # server's own TTFT and its queue wait (ms), worst first.
+        "high_ttft_worst": [
+            [round(c.ttft_s * 1e3, 1), round(c.server_ttft_ms, 1), round(c.server_queue_ms, 1)]
+            for c in sorted(
+                (c for c in done if c.priority == 1), key=lambda c: c.ttft_s, reverse=True
+            )[:5]
+        ],
     }
 
 

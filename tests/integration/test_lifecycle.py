@@ -40,7 +40,8 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         streams = [
             threading.Thread(
                 target=lambda i=i: results.append(
-                    run_stream(s, request(f"Story {i}", max_tokens=40, ignore_eos=True))
+                    # Long enough to be in flight through the checks below at any engine speed.
+                    run_stream(s, request(f"Story {i}", max_tokens=300, ignore_eos=True))
                 )
             )
             for i in range(3)
@@ -56,7 +57,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         for t in streams:
             t.join(120)
         assert [r.code for r in results] == [grpc.StatusCode.OK] * 3, [r.details for r in results]
-        assert all(r.last.usage.completion_tokens == 40 for r in results)
+        assert all(r.last.usage.completion_tokens == 300 for r in results)
         assert proc.wait(120) == 0
     finally:
         stop(proc)
