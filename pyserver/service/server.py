@@ -10,6 +10,7 @@ end UNAVAILABLE and the process exits 1 for its supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -193,6 +194,11 @@ class StreambatchServer:
             self.worker, limits, s.engine.model, self.metrics, tracer
         )
         self._starting.target = self.servicer
+        # Everything allocated so far (the model, vLLM's and torch's objects) lives as long as
+        # the server: keep it out of the cyclic GC's full collections, whose pause grows with
+        # the heap and stops the engine thread with the rest (the GIL).
+        gc.collect()
+        gc.freeze()
         self.worker.start()
         self.servicer.serving = True
         for name in ("", SERVICE_NAME):
