@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -43,6 +44,15 @@ def test_capital_of_france_streams_paris(live_server) -> None:  # type: ignore[n
     assert r.last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
     assert r.last.usage.completion_tokens == sum(len(m.token_ids) for m in r.messages)
     assert r.last.timings.total_ms >= r.last.timings.ttft_ms > 0
+
+
+def test_the_engine_thread_built_nothing_that_outlives_startup(live_server) -> None:  # type: ignore[no-untyped-def]
+    """The build thread is gone (its OpenMP team with it) and the startup heap is out of the
+    cyclic GC's reach (docs/benchmarks.md: a full collection on it took ~300 ms)."""
+    names = [t.name for t in threading.enumerate()]
+    assert not [n for n in names if n.startswith("torch-setup")], names
+    assert "engine-worker" in names
+    assert gc.get_freeze_count() > 10_000
 
 
 def test_streamed_text_equals_complete_text_at_temperature_zero(live_server) -> None:  # type: ignore[no-untyped-def]
