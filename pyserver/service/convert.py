@@ -13,7 +13,9 @@ from streambatch.v1 import generation_pb2 as pb
 from pyserver.domain import Delta, ErrorKind, RequestError, Sampling
 
 DEFAULT_MAX_TOKENS = 256
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+# fullmatch: with match(), "$" also matches before a trailing newline, which then reaches the
+# response metadata and fails there (INTERNAL "Invalid metadata"; found by the fuzz test).
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 _ROLES = ("system", "user", "assistant")
 _MAX_STOP = 8
 _MAX_STOP_CHARS = 256
@@ -45,7 +47,7 @@ def request_id_of(request: pb.GenerateRequest, metadata_id: str | None) -> str:
     rid = request.request_id or metadata_id or ""
     if not rid:
         return uuid.uuid4().hex
-    if not _REQUEST_ID.match(rid):
+    if not _REQUEST_ID.fullmatch(rid):
         raise invalid("request_id", "must be 1..128 printable ASCII characters without spaces")
     return rid
 

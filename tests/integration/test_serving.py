@@ -313,6 +313,10 @@ BAD_REQUESTS = {
     ),
     "unknown priority": (pb.GenerateRequest(text="hi", priority=7), "priority"),
     "bad request id": (pb.GenerateRequest(text="hi", request_id="has space"), "request_id"),
+    "request id ending in a newline": (
+        pb.GenerateRequest(text="hi", request_id="id\n"),
+        "request_id",
+    ),
     "bad chat role": (
         pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="robot")])),
         "role",
