@@ -54,6 +54,7 @@ class Delta:
     queue_ms: float = 0.0
     ttft_ms: float = 0.0
     total_ms: float = 0.0
+    preemptions: int = 0
     error: RequestError | None = None
 
     @property
@@ -71,6 +72,7 @@ class Delta:
             "queue_ms",
             "ttft_ms",
             "total_ms",
+            "preemptions",
             "error",
         ):
             value = getattr(later, name)

@@ -715,6 +715,7 @@ class EngineWorker:
         delta.queue_ms = (item.admitted_ns - item.accepted_ns) / 1e6
         delta.ttft_ms = ((item.first_token_ns or now) - item.accepted_ns) / 1e6
         delta.total_ms = (now - item.accepted_ns) / 1e6
+        delta.preemptions = item.preemptions
 
     def _fail_all(self, message: str) -> None:
         err = RequestError(ErrorKind.UNAVAILABLE, message)

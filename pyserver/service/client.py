@@ -59,7 +59,9 @@ def generate(args: argparse.Namespace) -> int:
         print(
             f"[{pb.FinishReason.Name(last.finish_reason)}; {u.prompt_tokens} prompt + "
             f"{u.completion_tokens} completion tokens; ttft {t.ttft_ms:.0f} ms, "
-            f"total {t.total_ms:.0f} ms]",
+            f"total {t.total_ms:.0f} ms"
+            + (f"; preempted {t.preemptions}x" if t.preemptions else "")
+            + "]",
             file=sys.stderr,
         )
     return 0

@@ -199,7 +199,9 @@ def usage_of(d: Delta) -> pb.Usage:
 
 
 def timings_of(d: Delta) -> pb.Timings:
-    return pb.Timings(queue_ms=d.queue_ms, ttft_ms=d.ttft_ms, total_ms=d.total_ms)
+    return pb.Timings(
+        queue_ms=d.queue_ms, ttft_ms=d.ttft_ms, total_ms=d.total_ms, preemptions=d.preemptions
+    )
 
 
 def stream_message(request_id: str, d: Delta) -> pb.GenerateResponse:

@@ -138,6 +138,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 {
                     "streambatch.request_id": item.request_id,
                     "streambatch.priority": item.priority,
+                    "streambatch.preemptions": item.preemptions,
                     "gen_ai.request.max_tokens": s.max_tokens,
                     "gen_ai.request.temperature": s.temperature,
                     "gen_ai.request.top_p": s.top_p,

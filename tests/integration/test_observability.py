@@ -57,6 +57,7 @@ def test_span_tree_continues_the_client_trace_in_memory_and_over_otlp(live_serve
     assert rpc.attributes["streambatch.request_id"] == "traced-1"
     assert rpc.attributes["gen_ai.request.max_tokens"] == 8
     assert rpc.attributes["gen_ai.usage.output_tokens"] >= 1
+    assert rpc.attributes["streambatch.preemptions"] == 0
     assert rpc.attributes["gen_ai.response.finish_reasons"] in (("stop",), ("length",))
     for phase in ("queue", "prefill", "decode"):
         child = by_name[phase]

@@ -162,6 +162,10 @@ def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(live_server)
         assert r.last.usage.completion_tokens == 96
         assert sum(len(m.token_ids) for m in r.messages) == 96
         assert r.last.usage.prompt_tokens < 40  # the client's prompt, not prompt + output
+    # Each stream reports how often it was stopped; together, every preemption of this test.
+    stopped = sum(r.last.timings.preemptions for r in lows_done)
+    assert stopped == preemptions("priority") - before, [r.last.timings for r in lows_done]
+    assert high.last.timings.preemptions == 0
 
 
 def test_reserved_top_slots_admit_top_priority_without_preempting(live_server) -> None:  # type: ignore[no-untyped-def]
