@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -65,16 +66,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> pb.CompleteResponse:
         text: list[str] = []
         tokens: list[int] = []
-        async for item, delta in self._deltas("Complete", request, context):
-            text.append(delta.text)
-            tokens.extend(delta.token_ids)
-            if delta.final:
-                return convert.complete_message(item.request_id, "".join(text), tokens, delta)
+        # aclosing: returning from inside `async for` leaves the generator suspended, and its
+        # cleanup (the call's metrics and span) would run later, from the loop's async-generator
+        # finalizer, after the client already has its response.
+        async with contextlib.aclosing(self._deltas("Complete", request, context)) as deltas:
+            async for item, delta in deltas:
+                text.append(delta.text)
+                tokens.extend(delta.token_ids)
+                if delta.final:
+                    return convert.complete_message(item.request_id, "".join(text), tokens, delta)
         raise AssertionError("the delta stream ended without a final delta")
 
     async def _deltas(
         self, method: str, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[tuple[WorkItem, Delta]]:
+    ) -> AsyncGenerator[tuple[WorkItem, Delta], None]:
         """Accept the call, then yield its deltas up to the final one; owns the call's span,
         its metrics and the cancel of an abandoned request."""
         metadata = {k: _text(v) for k, v in (context.invocation_metadata() or ())}
