@@ -208,8 +208,8 @@ def _prepare_engine_env(args: argparse.Namespace) -> None:
         "VLLM_ENABLE_V1_MULTIPROCESSING", "0" if args.engine_process == "inproc" else "1"
     )
     # Read by the OpenMP runtime when torch loads. The default is every usable core: measured
-    # on 2 cores, one thread fewer (leaving a core to gRPC, as vLLM's servers do for their
-    # engine process) loses 23-28 % tokens/s at 4 and 32 streams (docs/benchmarks.md).
+    # on 2 cores, one thread for decode steps (leaving a core to gRPC, as vLLM's servers do for
+    # their engine process) lost 28 % tokens/s at 4 streams and 21 % at 32 (docs/benchmarks.md).
     if args.engine_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(args.engine_threads)
 

@@ -58,17 +58,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async for item, delta in self._deltas("Generate", request, context):
-            yield convert.stream_message(item.request_id, delta)
+        async with contextlib.aclosing(self._deltas("Generate", request, context)) as deltas:
+            async for item, delta in deltas:
+                yield convert.stream_message(item.request_id, delta)
 
     async def Complete(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CompleteResponse:
         text: list[str] = []
         tokens: list[int] = []
-        # aclosing: returning from inside `async for` leaves the generator suspended, and its
-        # cleanup (the call's metrics and span) would run later, from the loop's async-generator
-        # finalizer, after the client already has its response.
         async with contextlib.aclosing(self._deltas("Complete", request, context)) as deltas:
             async for item, delta in deltas:
                 text.append(delta.text)
@@ -81,7 +79,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, method: str, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncGenerator[tuple[WorkItem, Delta], None]:
         """Accept the call, then yield its deltas up to the final one; owns the call's span,
-        its metrics and the cancel of an abandoned request."""
+        its metrics and the cancel of an abandoned request. Callers hold it in
+        contextlib.aclosing: a caller that returns (Complete) or is closed (Generate, when gRPC
+        drops the stream) mid-iteration would otherwise leave this generator suspended, and
+        its cleanup would run later from the loop's async-generator finalizer, after the client
+        already had its answer."""
         metadata = {k: _text(v) for k, v in (context.invocation_metadata() or ())}
         span = self._tracer.start(method, metadata)
         outcome = _Outcome()
