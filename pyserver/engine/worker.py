@@ -532,9 +532,7 @@ class EngineWorker:
             outputs = self._engine.step()
         finally:
             if held is not None:
-                assert self._sched is not None
-                self._sched.running = held + self._sched.running
-                self._sched.max_num_scheduled_tokens = self.step_token_budget
+                self._release_held(held)
         self.stats.steps += 1
         now = time.monotonic_ns()
         batch = len(self._running)
@@ -615,6 +613,15 @@ class EngineWorker:
             ids = {id(r) for r in held}
             sched.running = [r for r in sched.running if id(r) not in ids]
         return held
+
+    def _release_held(self, held: list[Any]) -> None:
+        """Put the held prefills back behind every other running request, and the step budget
+        back. vLLM hands its token budget to running requests in list order, so a prefill chunk
+        ahead of decodes can use it all and make those streams skip a step (a doubled token gap
+        for each of them); behind them it only gets what the decodes leave."""
+        assert self._sched is not None
+        self._sched.running = self._sched.running + held
+        self._sched.max_num_scheduled_tokens = self.step_token_budget
 
     def _urgent_step_budget(self) -> int:
         """An urgent prompt's step may use the engine's whole token budget, unless the controller

@@ -44,6 +44,21 @@ def test_low_prefills_sit_out_while_a_top_request_prefills() -> None:
     assert w._sched.max_num_scheduled_tokens == 512  # the urgent prompt gets the full budget
 
 
+def test_held_prefills_go_back_behind_the_decodes() -> None:
+    # vLLM gives its token budget to running requests in list order: a prefill put back in
+    # front would take the whole budget and make the decodes skip the next step.
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    low_decode = Req("low-decode", 0, 400, 100)
+    w = worker([item(1, 0), item(0, 5)], [low_prefill, low_decode])
+    held = w._hold_lower_prefills()
+    top_now_decoding = Req("top", -1, 60, 50)  # vLLM appended it when it took it in
+    w._sched.running.append(top_now_decoding)
+    assert held is not None
+    w._release_held(held)
+    assert w._sched.running == [low_decode, top_now_decoding, low_prefill]
+    assert w._sched.max_num_scheduled_tokens == 128  # the normal steps' budget again
+
+
 def test_with_a_token_budget_controller_the_urgent_step_keeps_its_budget() -> None:
     low_prefill = Req("low-prefill", 0, 32, 400)
     w = worker([item(1, 0), item(0, 0)], [low_prefill])
