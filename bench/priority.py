@@ -50,6 +50,7 @@ class Call:
     details: str = ""
     server_queue_ms: float = 0.0  # from the final message's Timings: accepted -> admitted
     server_ttft_ms: float = 0.0  # accepted -> first token, as the server saw it
+    preemptions: int = 0  # times a higher-priority request stopped this stream
 
 
 async def one(
@@ -64,6 +65,7 @@ async def one(
             if msg.HasField("timings"):
                 call.server_queue_ms = msg.timings.queue_ms
                 call.server_ttft_ms = msg.timings.ttft_ms
+                call.preemptions = msg.timings.preemptions
             n = len(msg.token_ids)
             if not n:
                 continue
@@ -118,8 +120,13 @@ def p99_ms(values: list[float]) -> float:
     return round(float(np.percentile(values, 99)) * 1e3, 1) if values else float("nan")
 
 
+def pcts(values_ms: list[float]) -> list[float]:
+    return [round(float(v), 1) for v in np.percentile(values_ms, [50, 90, 99])] if values_ms else []
+
+
 def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, object]:
     done = [c for c in calls if c.code == "OK"]
+    high = [c for c in done if c.priority == 1]
     codes = Counter(c.code for c in calls)
     missed = [c for c in calls if c.code == "DEADLINE_EXCEEDED" and c.tokens > 0]
     missed += [
@@ -131,6 +138,9 @@ def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, ob
         "high_ttft_p99_ms": p99_ms([c.ttft_s for c in done if c.priority == 1]),
         "low_ttft_p99_ms": p99_ms([c.ttft_s for c in done if c.priority == 0]),
         "itl_p99_ms": p99_ms([g for c in done for g in c.gaps_s]),
+        # The same over streams no preemption interrupted: what the step budget alone decides
+        # (a preempted stream's resume gap is the priority policy's cost, not a step's).
+        "itl_p99_ms_unpreempted": p99_ms([g for c in done if not c.preemptions for g in c.gaps_s]),
         "itl_p50_ms": round(float(np.median([g for c in done for g in c.gaps_s])) * 1e3, 1)
         if done
         else float("nan"),
@@ -142,6 +152,10 @@ def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, ob
         "output_tok_s": round(sum(c.tokens for c in done) / wall_s, 1),
         "complete_streams": sum(1 for c in done if c.tokens == max_tokens),
         "admitted_then_missed_deadline": len(missed),
+        # A high request's first token, split at admission (server clock): the wait for the
+        # engine (the step in progress, or a free slot) and its own prefill step(s); p50/p90/p99.
+        "high_queue_ms_p50_p90_p99": pcts([c.server_queue_ms for c in high]),
+        "high_prefill_ms_p50_p90_p99": pcts([c.server_ttft_ms - c.server_queue_ms for c in high]),
         # Where the slowest high-priority first tokens lost their time: client TTFT, the
         # server's own TTFT and its queue wait (ms), worst first.
         "high_ttft_worst": [
@@ -154,15 +168,21 @@ def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, ob
 
 
 def server_counters(metrics_port: int) -> dict[str, float]:
-    """The server's own preemption and deadline-refusal counters, by label."""
+    """The server's own preemption, deadline-refusal and decode-skip counters, by label."""
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in ("streambatch_preemptions", "streambatch_deadline_refusals"):
+        if family.name in (
+            "streambatch_preemptions",
+            "streambatch_deadline_refusals",
+            "streambatch_decode_skips",
+        ):
             for sample in family.samples:
                 if sample.name.endswith("_total"):
-                    label = next(iter(sample.labels.values()), "")
-                    out[f"{family.name.removeprefix('streambatch_')}_{label}"] = sample.value
+                    key = "_".join(
+                        [family.name.removeprefix("streambatch_"), *sample.labels.values()]
+                    )
+                    out[key] = sample.value
     return out
 
 
@@ -223,10 +243,16 @@ def main() -> None:
         "fallback when they are taken",
     )
     parser.add_argument(
+        "--shrink-above",
+        type=float,
+        default=1.0,
+        help="controller shrinks its limit when p99 > this x SLO",
+    )
+    parser.add_argument(
         "--grow-below",
         type=float,
         default=0.8,
-        help="controller grows its limit when p99 < this x SLO (shrinks above 1.0 x SLO)",
+        help="controller grows its limit when p99 < this x SLO",
     )
     parser.add_argument(
         "--slo-ms", type=float, default=0.0, help="ITL SLO for the controller run (0: derive)"
@@ -273,7 +299,7 @@ def main() -> None:
     slo = args.slo_ms or round(3.0 * unloaded_itl_p50, 1)
     controller = [
         "--latency-slo-ms", str(slo), "--controller-metric", "itl",
-        "--controller-knob", args.knob, "--controller-shrink-above", "1.0",
+        "--controller-knob", args.knob, "--controller-shrink-above", str(args.shrink_above),
         "--controller-grow-below", str(args.grow_below),
     ]  # fmt: skip
     server, target, metrics_port = serve(args, controller, "priority-on.log")

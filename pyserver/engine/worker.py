@@ -528,6 +528,7 @@ class EngineWorker:
             self._step_hook()
         started = time.monotonic_ns()
         held = self._hold_lower_prefills()
+        decoding = {h for h, it in self._running.items() if it.first_token_ns}
         try:
             outputs = self._engine.step()
         finally:
@@ -553,6 +554,7 @@ class EngineWorker:
             served.append(item.span)
             c = o.outputs[0]
             if c.token_ids:
+                decoding.discard(h)
                 if not item.first_token_ns:
                     item.first_token_ns = now
                     self._prefill_est.add((now - item.admitted_ns) / 1e9)
@@ -580,6 +582,8 @@ class EngineWorker:
                 self._retire(h)
             out.append((item.mailbox, delta))
         m.generated_tokens.inc(generated)
+        if decoding:
+            m.decode_skips.inc(len(decoding))
         if self._step_tracer is not None:
             self._step_tracer.on_step(started, now, batch, generated, served)
         if ctl is not None:

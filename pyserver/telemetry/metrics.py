@@ -153,6 +153,12 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.decode_skips = Counter(
+            f"{PREFIX}_decode_skips",
+            "Streams past their first token that got no token in an engine step (the step's "
+            "token budget ran out before them): each is a doubled inter-token gap",
+            registry=r,
+        )
         self.deadline_refusals = Counter(
             f"{PREFIX}_deadline_refusals",
             "Requests refused because they were predicted to miss their deadline",

@@ -82,6 +82,8 @@ def test_sixteen_concurrent_streams_share_engine_steps(live_server) -> None:  # 
     s = stub(live_server.target)
     before = live_server.worker.stats.max_batch_seen
     live_server.worker.stats.max_batch_seen = 0
+    registry = live_server.server.metrics.registry
+    skips_before = registry.get_sample_value("streambatch_decode_skips_total") or 0.0
     with ThreadPoolExecutor(16) as pool:
         results = list(
             pool.map(
@@ -94,6 +96,8 @@ def test_sixteen_concurrent_streams_share_engine_steps(live_server) -> None:  # 
     assert all(r.code == grpc.StatusCode.OK for r in results), [r.details for r in results]
     assert all(r.last.usage.completion_tokens == 24 for r in results)
     assert live_server.worker.stats.max_batch_seen > 1, before
+    # Every stream got a token in every step it ran: no prompt chunk took a decode's budget.
+    assert registry.get_sample_value("streambatch_decode_skips_total") == skips_before
 
 
 def _fill_engine(live_server, pool, n: int, max_tokens: int = 48):  # type: ignore[no-untyped-def]
