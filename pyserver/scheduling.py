@@ -14,6 +14,12 @@ in it), so for it the rule is multiplicative: x0.75 on shrink, x1.25 on grow. Ha
 seed does for concurrency, overshot on this engine: a budget cut from 256 to 64 tokens leaves
 prefill starved and sequence slots idle, and a band narrow enough to meet an ITL SLO then never
 grows it back.
+
+The rule assumes latency falls as the limit falls, which stops being true near the bottom: with
+a step budget of a few dozen tokens nearly every step carries a prefill chunk, and inter-token
+latency rises again (measured: ITL p99 150 ms and 0.80 x throughput when a tight band drove the
+budget to its minimum). So a shrink that did not lower the p99 is undone, and the limit is not
+shrunk below that level again for `floor_hold_s`.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class AdaptiveBatchController:
         multiplicative: bool = False,
         shrink_above: float = 1.5,
         grow_below: float = 0.5,
+        floor_hold_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not slo_ms > 0:
@@ -74,6 +81,12 @@ class AdaptiveBatchController:
         self._limit = max(min_limit, min(max_limit, initial or max_limit))
         self._last_change = clock()
         self.changes = 0
+        self._floor_hold_s = floor_hold_s
+        # (limit before the last shrink, the p99 that caused it) until the next decision.
+        self._shrunk_from: tuple[int, float] | None = None
+        self._floor = min_limit
+        self._floor_until = 0.0
+        self.undone_shrinks = 0
 
     @property
     def limit(self) -> int:
@@ -97,9 +110,19 @@ class AdaptiveBatchController:
         p99 = self.p99_ms()
         if p99 is None:
             return self._limit
+        if self._shrunk_from is not None:
+            before_limit, before_p99 = self._shrunk_from
+            self._shrunk_from = None
+            if p99 >= before_p99:  # the shrink did not help: below here latency rises again
+                self._floor, self._floor_until = before_limit, now + self._floor_hold_s
+                self.undone_shrinks += 1
+                return self._change_to(before_limit, now)
+        floor = self._floor if now < self._floor_until else self.min_limit
         if p99 > self._shrink_above * self.slo_ms:
             smaller = self._limit * 3 // 4 if self._multiplicative else self._limit - self._step
-            new = max(self.min_limit, smaller)
+            new = max(floor, smaller)
+            if new < self._limit:
+                self._shrunk_from = (self._limit, p99)
         elif p99 < self._grow_below * self.slo_ms:
             larger = (
                 max(self._limit + 1, self._limit * 5 // 4)
@@ -109,6 +132,9 @@ class AdaptiveBatchController:
             new = min(self.max_limit, larger)
         else:
             new = self._limit
+        return self._change_to(new, now)
+
+    def _change_to(self, new: int, now: float) -> int:
         if new != self._limit:
             self._limit = new
             self._last_change = now

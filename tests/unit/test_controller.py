@@ -60,7 +60,7 @@ def test_grows_when_latency_is_far_below_the_slo() -> None:
 def test_bounded_below_and_seed_rule_steps_of_two() -> None:
     clock = FakeClock()
     ctl = AdaptiveBatchController(10.0, 16, cooldown_s=0.5, clock=clock)
-    limits = drive(ctl, clock, lambda n: 1000.0, seconds=30)
+    limits = drive(ctl, clock, lambda n: 100.0 * n, seconds=30)  # above the SLO even at 1
     assert min(limits) == 1 and limits[-1] == 1
     steps = {a - b for a, b in itertools.pairwise(limits) if a != b}
     assert steps <= {2, 1}  # 16 -> 14 -> ... -> 2 -> 1 (clamped)
@@ -115,6 +115,23 @@ def test_token_budget_with_a_narrow_band_settles_just_under_the_slo() -> None:
     final = limits[-1]
     assert 80 <= 30 + final * 0.4 <= 100 * 1.05, final
     assert len(set(limits[-600:])) == 1, sorted(set(limits[-600:]))
+
+
+def test_a_shrink_that_does_not_help_is_undone_and_the_limit_holds_there() -> None:
+    """Latency falls with the step budget down to 96 tokens and rises below it (almost every
+    step then carries a prefill chunk). An SLO no budget meets must not drive the budget to its
+    minimum: the shrink past 96 is undone and the limit stays near the best it found."""
+    clock = FakeClock()
+    ctl = AdaptiveBatchController(
+        50.0, 256, min_limit=24, multiplicative=True, shrink_above=1.0, grow_below=0.8,
+        floor_hold_s=30.0, clock=clock,
+    )  # fmt: skip
+    limits = drive(
+        ctl, clock, lambda b: 60 + 0.2 * b if b >= 96 else 60 + 0.2 * 96 + (96 - b), seconds=120
+    )
+    assert ctl.undone_shrinks >= 1
+    assert min(limits) >= 72, min(limits)  # one step below the best (96 * 3 // 4), never lower
+    assert sum(1 for b in limits if b >= 96) > 0.8 * len(limits)  # and mostly at or above it
 
 
 def test_thresholds_are_checked() -> None:
