@@ -528,7 +528,9 @@ class EngineWorker:
             self._step_hook()
         started = time.monotonic_ns()
         held = self._hold_lower_prefills()
-        decoding = {h for h, it in self._running.items() if it.first_token_ns}
+        # Streams mid-decode; a request resumed after a preemption re-prefills first (its
+        # last_token_ns is reset), which is not a skip.
+        decoding = {h for h, it in self._running.items() if it.last_token_ns}
         try:
             outputs = self._engine.step()
         finally:
