@@ -155,8 +155,8 @@ class Metrics:
         )
         self.decode_skips = Counter(
             f"{PREFIX}_decode_skips",
-            "Streams past their first token that got no token in an engine step (the step's "
-            "token budget ran out before them): each is a doubled inter-token gap",
+            "Streams mid-decode that got no token in an engine step (the step's token budget "
+            "ran out before them): each is a doubled inter-token gap",
             registry=r,
         )
         self.deadline_refusals = Counter(
