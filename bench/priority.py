@@ -3,8 +3,9 @@
 One run: (1) a server with the controller off; calibrate capacity (closed loop at the engine's
 concurrency) and the unloaded TTFT (100 requests, one at a time); then open-loop Poisson
 arrivals at `--overload` x capacity for `--duration` s, `--high-share` of them high priority,
-mixed prompt lengths, each call with a `--deadline-s` gRPC deadline. (2) The same open-loop run against a
-fresh server with `--latency-slo-ms` on (the controller watching inter-token latency).
+mixed prompt lengths, each call with a `--deadline-s` gRPC deadline. (2) The same open-loop
+run against a fresh server with `--latency-slo-ms` on (the controller watching inter-token
+latency).
 
 Reported from run (1): TTFT p99 of high and of low requests; from both: ITL p99 and completed
 output tokens/s; `admitted_then_missed_deadline` counts calls that started generating and then
