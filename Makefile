@@ -35,7 +35,8 @@ model: install
 serve: model
 	$(VENV)/bin/streambatch serve
 
-test: test-cpp test-py
+# Lint first: CI runs `make test`, so style and types are checked on every submission.
+test: lint test-cpp test-py
 
 # The C++ core under ctest: plain, then with ASan+UBSan, then with TSan.
 test-cpp:
@@ -53,6 +54,7 @@ test-py: model
 
 lint: install
 	$(VENV)/bin/ruff check pyserver tests bench
+	$(VENV)/bin/ruff format --check pyserver tests bench
 	$(VENV)/bin/mypy
 
 bench-queue: install
