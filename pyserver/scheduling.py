@@ -24,6 +24,7 @@ shrunk below that level again for `floor_hold_s`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +33,8 @@ from collections.abc import Callable
 import numpy as np
 
 METRICS = ("ttft", "itl", "e2e")
+
+log = logging.getLogger(__name__)
 
 
 class AdaptiveBatchController:
@@ -116,6 +119,12 @@ class AdaptiveBatchController:
             if p99 >= before_p99:  # the shrink did not help: below here latency rises again
                 self._floor, self._floor_until = before_limit, now + self._floor_hold_s
                 self.undone_shrinks += 1
+                log.info(
+                    "controller: %s p99 %.1f ms at limit %d, not below the %.1f ms at %d; back "
+                    "to %d and not lower for %.0f s",
+                    self.metric, p99, self._limit, before_p99, before_limit, before_limit,
+                    self._floor_hold_s,
+                )  # fmt: skip
                 return self._change_to(before_limit, now)
         floor = self._floor if now < self._floor_until else self.min_limit
         if p99 > self._shrink_above * self.slo_ms:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 
 import pytest
@@ -117,10 +118,13 @@ def test_token_budget_with_a_narrow_band_settles_just_under_the_slo() -> None:
     assert len(set(limits[-600:])) == 1, sorted(set(limits[-600:]))
 
 
-def test_a_shrink_that_does_not_help_is_undone_and_the_limit_holds_there() -> None:
+def test_a_shrink_that_does_not_help_is_undone_and_the_limit_holds_there(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Latency falls with the step budget down to 96 tokens and rises below it (almost every
     step then carries a prefill chunk). An SLO no budget meets must not drive the budget to its
     minimum: the shrink past 96 is undone and the limit stays near the best it found."""
+    caplog.set_level(logging.INFO, logger="pyserver.scheduling")
     clock = FakeClock()
     ctl = AdaptiveBatchController(
         50.0, 256, min_limit=24, multiplicative=True, shrink_above=1.0, grow_below=0.8,
@@ -130,6 +134,7 @@ def test_a_shrink_that_does_not_help_is_undone_and_the_limit_holds_there() -> No
         ctl, clock, lambda b: 60 + 0.2 * b if b >= 96 else 60 + 0.2 * 96 + (96 - b), seconds=120
     )
     assert ctl.undone_shrinks >= 1
+    assert "back to 108" in caplog.text  # 256 -> 192 -> 144 -> 108 -> 81 (worse) -> 108
     assert min(limits) >= 72, min(limits)  # one step below the best (96 * 3 // 4), never lower
     assert sum(1 for b in limits if b >= 96) > 0.8 * len(limits)  # and mostly at or above it
 
