@@ -141,7 +141,7 @@ def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, ob
     return {
         "sent": len(calls),
         "codes": dict(codes),
-        "high_ttft_p99_ms": p99_ms([c.ttft_s for c in done if c.priority == 1]),
+        "high_ttft_p99_ms": p99_ms([c.ttft_s for c in high]),
         "low_ttft_p99_ms": p99_ms([c.ttft_s for c in done if c.priority == 0]),
         "itl_p99_ms": p99_ms([g for c in done for g in c.gaps_s]),
         # The same over streams no preemption interrupted: what the step budget alone decides
@@ -150,9 +150,7 @@ def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, ob
         "itl_p50_ms": round(float(np.median([g for c in done for g in c.gaps_s])) * 1e3, 1)
         if done
         else float("nan"),
-        "high_ttft_p50_ms": round(
-            float(np.median([c.ttft_s for c in done if c.priority == 1] or [0])) * 1e3, 1
-        ),
+        "high_ttft_p50_ms": round(float(np.median([c.ttft_s for c in high] or [0])) * 1e3, 1),
         # Gaps over 1 s inside a stream: a preempted request waiting to resume.
         "stalls_over_1s": sum(1 for c in done for g in c.gaps_s if g > 1.0),
         "output_tok_s": round(sum(c.tokens for c in done) / wall_s, 1),
@@ -166,9 +164,7 @@ def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, ob
         # server's own TTFT and its queue wait (ms), worst first.
         "high_ttft_worst": [
             [round(c.ttft_s * 1e3, 1), round(c.server_ttft_ms, 1), round(c.server_queue_ms, 1)]
-            for c in sorted(
-                (c for c in done if c.priority == 1), key=lambda c: c.ttft_s, reverse=True
-            )[:5]
+            for c in sorted(high, key=lambda c: c.ttft_s, reverse=True)[:5]
         ],
     }
 
