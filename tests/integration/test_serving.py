@@ -205,6 +205,64 @@ def test_reserved_top_slots_admit_top_priority_without_preempting(live_server) -
         worker.reserved_top_slots = 0
 
 
+def test_top_priority_prompts_arriving_together_are_prefilled_one_per_step(  # type: ignore[no-untyped-def]
+    live_server, monkeypatch
+) -> None:
+    s = stub(live_server.target)
+    worker = live_server.worker
+    assert wait_until(live_server.engine_idle, 30)
+    # Which engine step gave each top-priority request its first token (worker thread).
+    first_token_step: dict[str, int] = {}
+    steps = 0
+    engine_step = worker._engine.step
+
+    def counted_step():  # type: ignore[no-untyped-def]
+        nonlocal steps
+        outputs = engine_step()
+        steps += 1
+        for o in outputs:
+            item = worker._items.get(int(o.request_id))
+            if item is not None and item.priority == 1 and o.outputs[0].token_ids:
+                first_token_step.setdefault(o.request_id, steps)
+        return outputs
+
+    monkeypatch.setattr(worker._engine, "step", counted_step)
+    paused, resume = threading.Event(), threading.Event()
+
+    def pause_between_steps() -> None:  # so the urgent requests enter the engine together
+        paused.set()
+        resume.wait(30)
+
+    with ThreadPoolExecutor(8) as pool:
+        lows = [
+            pool.submit(run_stream, s, request(f"Saga {i}", max_tokens=48, ignore_eos=True))
+            for i in range(2)
+        ]
+        assert wait_until(lambda: worker.running == 2, 30)
+        worker._step_hook = pause_between_steps
+        try:
+            assert paused.wait(30)
+            highs = [
+                pool.submit(
+                    run_stream,
+                    s,
+                    request(f"Question {i}: why is the sky blue?", max_tokens=4, priority=1),
+                )
+                for i in range(3)
+            ]
+            assert wait_until(lambda: worker.queue.size() == 3, 10)
+        finally:
+            worker._step_hook = None
+            resume.set()
+        done = [f.result(120) for f in highs + lows]
+    assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
+    # Admitted in one batch, each prompt got a step of its own, back to back: prefilled
+    # together, all three would have waited for the last one's tokens.
+    assert sorted(first_token_step.values()) == list(
+        range(min(first_token_step.values()), min(first_token_step.values()) + 3)
+    ), first_token_step
+
+
 def test_deadline_too_short_never_reaches_the_engine(live_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(live_server.target)
     with ThreadPoolExecutor(10) as pool:

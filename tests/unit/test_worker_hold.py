@@ -15,11 +15,28 @@ class Req:  # the fields of vllm.v1.request.Request the rule reads
     priority: int  # vLLM's: -(our priority)
     num_computed_tokens: int
     num_prompt_tokens: int
+    num_output_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
 
 
-def worker(running_items: list[Any], sched_running: list[Req]) -> EngineWorker:
+class Waiting(list[Req]):  # vLLM's priority RequestQueue, as far as the rule reads it
+    def peek_request(self) -> Req:
+        return self[0]
+
+
+def worker(
+    running_items: list[Any], sched_running: list[Req], waiting: list[Req] | None = None
+) -> EngineWorker:
     w = EngineWorker.__new__(EngineWorker)  # no engine: only the fields the rule reads
-    w._sched = SimpleNamespace(running=sched_running, max_num_scheduled_tokens=128)
+    w._sched = SimpleNamespace(
+        running=sched_running,
+        waiting=Waiting(waiting or []),
+        kv_holding_waiting=Waiting(),
+        max_num_scheduled_tokens=128,
+    )
     w.max_step_tokens = 512
     w.step_token_budget = 128
     w._controller = None
@@ -35,8 +52,8 @@ def item(priority: int, first_token_ns: int) -> Any:
 
 def test_low_prefills_sit_out_while_a_top_request_prefills() -> None:
     low_prefill = Req("low-prefill", 0, 32, 400)
-    low_decode = Req("low-decode", 0, 400, 100)
-    top_decode = Req("top-decode", -1, 90, 50)
+    low_decode = Req("low-decode", 0, 120, 100, 20)
+    top_decode = Req("top-decode", -1, 90, 50, 40)
     w = worker([item(1, 0), item(0, 5)], [low_prefill, low_decode, top_decode])
     held = w._hold_lower_prefills()
     assert held == [low_prefill]
@@ -48,10 +65,10 @@ def test_held_prefills_go_back_behind_the_decodes() -> None:
     # vLLM gives its token budget to running requests in list order: a prefill put back in
     # front would take the whole budget and make the decodes skip the next step.
     low_prefill = Req("low-prefill", 0, 32, 400)
-    low_decode = Req("low-decode", 0, 400, 100)
+    low_decode = Req("low-decode", 0, 120, 100, 20)
     w = worker([item(1, 0), item(0, 5)], [low_prefill, low_decode])
     held = w._hold_lower_prefills()
-    top_now_decoding = Req("top", -1, 60, 50)  # vLLM appended it when it took it in
+    top_now_decoding = Req("top", -1, 60, 50, 10)  # vLLM appended it when it took it in
     w._sched.running.append(top_now_decoding)
     assert held is not None
     w._release_held(held)
@@ -65,6 +82,42 @@ def test_with_a_token_budget_controller_the_urgent_step_keeps_its_budget() -> No
     w._controller, w._knob, w.step_token_budget = object(), "step_tokens", 96
     assert w._hold_lower_prefills() == [low_prefill]  # the urgent prompt still goes first
     assert w._sched.max_num_scheduled_tokens == 96  # but its step respects the latency SLO
+
+
+def test_one_urgent_prompt_per_step_the_one_closest_to_done() -> None:
+    # Prefill cost adds up by tokens: two prompts in one step both wait for the second.
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    top_long = Req("top-long", -1, 0, 120)
+    top_started = Req("top-started", -1, 64, 100)
+    decode = Req("decode", 0, 120, 100, 20)
+    w = worker([item(1, 0), item(1, 0), item(0, 5)], [low_prefill, top_long, top_started, decode])
+    held = w._hold_lower_prefills()
+    assert held == [low_prefill, top_long]
+    assert w._sched.running == [top_started, decode]
+    assert w._sched.max_num_scheduled_tokens == 36 + 1  # its last 36 prompt tokens + the decode
+
+
+def test_an_urgent_prompt_still_waiting_in_vllm_sizes_the_step() -> None:
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    decodes = [Req("d1", 0, 120, 100, 20), Req("d2", -1, 60, 50, 10)]
+    waiting = [Req("top-new", -1, 0, 90), Req("top-next", -1, 0, 130)]
+    w = worker([item(1, 0), item(1, 0), item(0, 5)], [low_prefill, *decodes], waiting)
+    assert w._hold_lower_prefills() == [low_prefill]
+    # vLLM takes running requests first, then the waiting head: this budget ends the step there.
+    assert w._sched.max_num_scheduled_tokens == 2 + 90
+
+
+def test_the_urgent_step_never_exceeds_the_engines_budget() -> None:
+    decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(3)]
+    w = worker([item(1, 0)], decodes, [Req("top-huge", -1, 0, 2000)])
+    w._hold_lower_prefills()
+    assert w._sched.max_num_scheduled_tokens == 512
+
+
+def test_a_lower_priority_waiting_head_leaves_the_budget_uncut() -> None:
+    w = worker([item(1, 0)], [Req("d", 0, 120, 100, 20)], [Req("low-new", 0, 0, 90)])
+    w._hold_lower_prefills()
+    assert w._sched.max_num_scheduled_tokens == 512
 
 
 def test_nothing_is_held_without_a_prefilling_top_request() -> None:
