@@ -695,20 +695,20 @@ class EngineWorker:
         waited past the threshold and the engine has no room for them."""
         if self._preempt_after_ns is None or not self._running:
             return
-        free = self.concurrency_limit - len(self._running)
+        free = max(0, self.concurrency_limit - len(self._running))
         room = self.kv_capacity_tokens - self._reserved_tokens if self.kv_capacity_tokens else 1
-        if free > 0 and room > 0:
-            return  # admission will take them this iteration (reserved slots included)
         stats = self.queue.stats()
         top = self._top_priority
         waiting = sum(stats.depth[top])
+        if room > 0 and waiting <= free:
+            return  # admission will take them all this iteration (reserved slots included)
         if not waiting or stats.oldest_wait_ns_by_level[top] < self._preempt_after_ns:
             return
         now = time.monotonic_ns()
         victims = sorted(
             (it for it in self._running.values() if it.priority < top and self._can_wait(it, now)),
             key=lambda it: (it.priority, it.completion_tokens),
-        )[: max(1, waiting - max(0, free))]
+        )[: max(1, waiting - free)]
         stopped: list[int] = []
         for item in victims:
             remaining = item.sampling.max_tokens - item.completion_tokens

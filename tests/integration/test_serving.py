@@ -205,62 +205,105 @@ def test_reserved_top_slots_admit_top_priority_without_preempting(live_server) -
         worker.reserved_top_slots = 0
 
 
+class EngineSteps:
+    """Counts the live engine's steps and notes, for top-priority requests, the step before
+    which each entered the engine and the step that gave its first token (worker thread)."""
+
+    def __init__(self, worker, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+        self.count = 0
+        self.added_before: dict[str, int] = {}
+        self.first_token: dict[str, int] = {}
+        step, add = worker._engine.step, worker._engine.add_request
+
+        def counted_step():  # type: ignore[no-untyped-def]
+            outputs = step()
+            self.count += 1
+            for o in outputs:
+                item = worker._items.get(int(o.request_id))
+                if item is not None and item.priority == 1 and o.outputs[0].token_ids:
+                    self.first_token.setdefault(o.request_id, self.count)
+            return outputs
+
+        def noted_add(request_id, *args, priority=0, **kwargs):  # type: ignore[no-untyped-def]
+            if priority == -1:  # vLLM's order: the worker passes -priority
+                self.added_before[request_id] = self.count + 1
+            return add(request_id, *args, priority=priority, **kwargs)
+
+        monkeypatch.setattr(worker._engine, "step", counted_step)
+        monkeypatch.setattr(worker._engine, "add_request", noted_add)
+
+
+def _queue_top_priority_together(worker, pool, s, n: int):  # type: ignore[no-untyped-def]
+    """Pause the engine between two steps, send n top-priority requests, let it go on once the
+    queue holds all of them: they reach the worker's next admission together."""
+    paused, resume = threading.Event(), threading.Event()
+
+    def pause_between_steps() -> None:
+        paused.set()
+        resume.wait(30)
+
+    worker._step_hook = pause_between_steps
+    try:
+        assert paused.wait(30)
+        highs = [
+            pool.submit(
+                run_stream,
+                s,
+                request(f"Question {i}: why is the sky blue?", max_tokens=4, priority=1),
+            )
+            for i in range(n)
+        ]
+        assert wait_until(lambda: worker.queue.size() == n, 10)
+    finally:
+        worker._step_hook = None
+        resume.set()
+    return highs
+
+
 def test_top_priority_prompts_arriving_together_are_prefilled_one_per_step(  # type: ignore[no-untyped-def]
     live_server, monkeypatch
 ) -> None:
     s = stub(live_server.target)
     worker = live_server.worker
     assert wait_until(live_server.engine_idle, 30)
-    # Which engine step gave each top-priority request its first token (worker thread).
-    first_token_step: dict[str, int] = {}
-    steps = 0
-    engine_step = worker._engine.step
-
-    def counted_step():  # type: ignore[no-untyped-def]
-        nonlocal steps
-        outputs = engine_step()
-        steps += 1
-        for o in outputs:
-            item = worker._items.get(int(o.request_id))
-            if item is not None and item.priority == 1 and o.outputs[0].token_ids:
-                first_token_step.setdefault(o.request_id, steps)
-        return outputs
-
-    monkeypatch.setattr(worker._engine, "step", counted_step)
-    paused, resume = threading.Event(), threading.Event()
-
-    def pause_between_steps() -> None:  # so the urgent requests enter the engine together
-        paused.set()
-        resume.wait(30)
-
+    steps = EngineSteps(worker, monkeypatch)
     with ThreadPoolExecutor(8) as pool:
         lows = [
             pool.submit(run_stream, s, request(f"Saga {i}", max_tokens=48, ignore_eos=True))
             for i in range(2)
         ]
         assert wait_until(lambda: worker.running == 2, 30)
-        worker._step_hook = pause_between_steps
-        try:
-            assert paused.wait(30)
-            highs = [
-                pool.submit(
-                    run_stream,
-                    s,
-                    request(f"Question {i}: why is the sky blue?", max_tokens=4, priority=1),
-                )
-                for i in range(3)
-            ]
-            assert wait_until(lambda: worker.queue.size() == 3, 10)
-        finally:
-            worker._step_hook = None
-            resume.set()
+        highs = _queue_top_priority_together(worker, pool, s, 3)
         done = [f.result(120) for f in highs + lows]
     assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
-    # Admitted in one batch, each prompt got a step of its own, back to back: prefilled
-    # together, all three would have waited for the last one's tokens.
-    assert sorted(first_token_step.values()) == list(
-        range(min(first_token_step.values()), min(first_token_step.values()) + 3)
-    ), first_token_step
+    assert len(set(steps.added_before.values())) == 1, steps.added_before  # admitted together
+    # Each prompt got a step of its own, back to back: prefilled together, all three would
+    # have waited for the last one's tokens.
+    first = min(steps.first_token.values())
+    assert sorted(steps.first_token.values()) == [first, first + 1, first + 2], steps.first_token
+
+
+def test_a_top_priority_burst_larger_than_the_free_slots_enters_at_once(  # type: ignore[no-untyped-def]
+    live_server, monkeypatch
+) -> None:
+    s = stub(live_server.target)
+    worker = live_server.worker
+    assert wait_until(live_server.engine_idle, 30)
+    steps = EngineSteps(worker, monkeypatch)
+    with ThreadPoolExecutor(12) as pool:
+        lows = [
+            pool.submit(run_stream, s, request(f"Saga {i}", max_tokens=64, ignore_eos=True))
+            for i in range(7)
+        ]
+        assert wait_until(lambda: worker.running == 7, 30)  # one slot of 8 left
+        highs = _queue_top_priority_together(worker, pool, s, 3)
+        done = [f.result(120) for f in highs + lows]
+    assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
+    # One took the free slot; two low requests were stopped in the same iteration for the
+    # others, instead of those waiting a step for a preemption.
+    assert len(steps.added_before) == 3
+    assert len(set(steps.added_before.values())) == 1, steps.added_before
+    assert sum(r.last.timings.preemptions for r in done[3:]) == 2
 
 
 def test_deadline_too_short_never_reaches_the_engine(live_server) -> None:  # type: ignore[no-untyped-def]
