@@ -206,36 +206,44 @@ def test_reserved_top_slots_admit_top_priority_without_preempting(live_server) -
 
 
 class EngineSteps:
-    """Counts the live engine's steps and notes, for top-priority requests, the step before
-    which each entered the engine and the step that gave its first token (worker thread)."""
+    """Counts the live engine's steps and notes, per request, the step before which it entered
+    the engine and the step that gave its first token (worker thread)."""
 
     def __init__(self, worker, monkeypatch) -> None:  # type: ignore[no-untyped-def]
         self.count = 0
         self.added_before: dict[str, int] = {}
         self.first_token: dict[str, int] = {}
+        self.priority: dict[str, int] = {}
         step, add = worker._engine.step, worker._engine.add_request
 
         def counted_step():  # type: ignore[no-untyped-def]
             outputs = step()
             self.count += 1
             for o in outputs:
-                item = worker._items.get(int(o.request_id))
-                if item is not None and item.priority == 1 and o.outputs[0].token_ids:
+                if o.outputs[0].token_ids:
                     self.first_token.setdefault(o.request_id, self.count)
             return outputs
 
         def noted_add(request_id, *args, priority=0, **kwargs):  # type: ignore[no-untyped-def]
-            if priority == -1:  # vLLM's order: the worker passes -priority
-                self.added_before[request_id] = self.count + 1
+            self.added_before.setdefault(request_id, self.count + 1)
+            self.priority[request_id] = -priority  # the worker passes vLLM's -priority
             return add(request_id, *args, priority=priority, **kwargs)
 
         monkeypatch.setattr(worker._engine, "step", counted_step)
         monkeypatch.setattr(worker._engine, "add_request", noted_add)
 
+    def first_tokens(self, priority: int, besides: set[str]) -> dict[str, int]:
+        """First-token steps of the requests of `priority`, except those in `besides`."""
+        return {
+            rid: self.first_token[rid]
+            for rid, p in self.priority.items()
+            if p == priority and rid not in besides and rid in self.first_token
+        }
 
-def _queue_top_priority_together(worker, pool, s, n: int):  # type: ignore[no-untyped-def]
-    """Pause the engine between two steps, send n top-priority requests, let it go on once the
-    queue holds all of them: they reach the worker's next admission together."""
+
+def _queue_together(worker, pool, s, requests):  # type: ignore[no-untyped-def]
+    """Pause the engine between two steps, send `requests`, let it go on once the queue holds
+    all of them: they reach the worker's next admission together."""
     paused, resume = threading.Event(), threading.Event()
 
     def pause_between_steps() -> None:
@@ -245,22 +253,22 @@ def _queue_top_priority_together(worker, pool, s, n: int):  # type: ignore[no-un
     worker._step_hook = pause_between_steps
     try:
         assert paused.wait(30)
-        highs = [
-            pool.submit(
-                run_stream,
-                s,
-                request(f"Question {i}: why is the sky blue?", max_tokens=4, priority=1),
-            )
-            for i in range(n)
-        ]
-        assert wait_until(lambda: worker.queue.size() == n, 10)
+        futures = [pool.submit(run_stream, s, r) for r in requests]
+        assert wait_until(lambda: worker.queue.size() == len(requests), 10)
     finally:
         worker._step_hook = None
         resume.set()
-    return highs
+    return futures
 
 
-def test_top_priority_prompts_arriving_together_are_prefilled_one_per_step(  # type: ignore[no-untyped-def]
+def _questions(n: int, priority: int) -> list[pb.GenerateRequest]:
+    return [
+        request(f"Question {i}: why is the sky blue?", max_tokens=4, priority=priority)
+        for i in range(n)
+    ]
+
+
+def test_urgent_prompts_share_one_step_that_no_lower_prompt_lengthens(  # type: ignore[no-untyped-def]
     live_server, monkeypatch
 ) -> None:
     s = stub(live_server.target)
@@ -273,14 +281,18 @@ def test_top_priority_prompts_arriving_together_are_prefilled_one_per_step(  # t
             for i in range(2)
         ]
         assert wait_until(lambda: worker.running == 2, 30)
-        highs = _queue_top_priority_together(worker, pool, s, 3)
-        done = [f.result(120) for f in highs + lows]
+        earlier = set(steps.priority)
+        together = _queue_together(worker, pool, s, _questions(3, 1) + _questions(2, 0))
+        done = [f.result(120) for f in together + lows]
     assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
-    assert len(set(steps.added_before.values())) == 1, steps.added_before  # admitted together
-    # Each prompt got a step of its own, back to back: prefilled together, all three would
-    # have waited for the last one's tokens.
-    first = min(steps.first_token.values())
-    assert sorted(steps.first_token.values()) == [first, first + 1, first + 2], steps.first_token
+    highs = steps.first_tokens(1, besides=earlier)
+    new_lows = steps.first_tokens(0, besides=earlier)
+    assert len(highs) == 3 and len(new_lows) == 2, steps.first_token
+    # All admitted together; the three urgent prompts prefilled in one step (a step costs
+    # mostly its fixed part), the two low ones only after it.
+    assert len({steps.added_before[r] for r in [*highs, *new_lows]}) == 1, steps.added_before
+    assert len(set(highs.values())) == 1, highs
+    assert min(new_lows.values()) > max(highs.values()), (highs, new_lows)
 
 
 def test_a_top_priority_burst_larger_than_the_free_slots_enters_at_once(  # type: ignore[no-untyped-def]
@@ -296,13 +308,13 @@ def test_a_top_priority_burst_larger_than_the_free_slots_enters_at_once(  # type
             for i in range(7)
         ]
         assert wait_until(lambda: worker.running == 7, 30)  # one slot of 8 left
-        highs = _queue_top_priority_together(worker, pool, s, 3)
+        highs = _queue_together(worker, pool, s, _questions(3, 1))
         done = [f.result(120) for f in highs + lows]
     assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
     # One took the free slot; two low requests were stopped in the same iteration for the
     # others, instead of those waiting a step for a preemption.
-    assert len(steps.added_before) == 3
-    assert len(set(steps.added_before.values())) == 1, steps.added_before
+    entered = [steps.added_before[r] for r, p in steps.priority.items() if p == 1]
+    assert len(entered) == 3 and len(set(entered)) == 1, steps.added_before
     assert sum(r.last.timings.preemptions for r in done[3:]) == 2
 
 

@@ -22,19 +22,14 @@ class Req:  # the fields of vllm.v1.request.Request the rule reads
         return self.num_prompt_tokens + self.num_output_tokens
 
 
-class Waiting(list[Req]):  # vLLM's priority RequestQueue, as far as the rule reads it
-    def peek_request(self) -> Req:
-        return self[0]
-
-
 def worker(
     running_items: list[Any], sched_running: list[Req], waiting: list[Req] | None = None
 ) -> EngineWorker:
     w = EngineWorker.__new__(EngineWorker)  # no engine: only the fields the rule reads
     w._sched = SimpleNamespace(
         running=sched_running,
-        waiting=Waiting(waiting or []),
-        kv_holding_waiting=Waiting(),
+        waiting=waiting or [],  # vLLM's RequestQueue iterates in its scheduling order
+        kv_holding_waiting=[],
         max_num_scheduled_tokens=128,
     )
     w.max_step_tokens = 512
@@ -84,30 +79,32 @@ def test_with_a_token_budget_controller_the_urgent_step_keeps_its_budget() -> No
     assert w._sched.max_num_scheduled_tokens == 96  # but its step respects the latency SLO
 
 
-def test_one_urgent_prompt_per_step_the_one_closest_to_done() -> None:
-    # Prefill cost adds up by tokens: two prompts in one step both wait for the second.
-    low_prefill = Req("low-prefill", 0, 32, 400)
-    top_long = Req("top-long", -1, 0, 120)
-    top_started = Req("top-started", -1, 64, 100)
-    decode = Req("decode", 0, 120, 100, 20)
-    w = worker([item(1, 0), item(1, 0), item(0, 5)], [low_prefill, top_long, top_started, decode])
-    held = w._hold_lower_prefills()
-    assert held == [low_prefill, top_long]
-    assert w._sched.running == [top_started, decode]
-    assert w._sched.max_num_scheduled_tokens == 36 + 1  # its last 36 prompt tokens + the decode
-
-
-def test_an_urgent_prompt_still_waiting_in_vllm_sizes_the_step() -> None:
+def test_urgent_prompts_share_the_step_and_its_budget_ends_with_them() -> None:
+    # A step costs mostly its fixed part: urgent prompts go together, whole, and nothing else
+    # (no low-priority prompt, no chunk of one) lengthens their step.
     low_prefill = Req("low-prefill", 0, 32, 400)
     decodes = [Req("d1", 0, 120, 100, 20), Req("d2", -1, 60, 50, 10)]
-    waiting = [Req("top-new", -1, 0, 90), Req("top-next", -1, 0, 130)]
-    w = worker([item(1, 0), item(1, 0), item(0, 5)], [low_prefill, *decodes], waiting)
+    top_started = Req("top-started", -1, 64, 100)
+    waiting = [Req("top-a", -1, 0, 90), Req("top-b", -1, 0, 130), Req("low-new", 0, 0, 50)]
+    w = worker(
+        [item(1, 0), item(1, 0), item(1, 0), item(0, 5)],
+        [low_prefill, *decodes, top_started],
+        waiting,
+    )
     assert w._hold_lower_prefills() == [low_prefill]
-    # vLLM takes running requests first, then the waiting head: this budget ends the step there.
-    assert w._sched.max_num_scheduled_tokens == 2 + 90
+    assert w._sched.running == [*decodes, top_started]
+    assert w._sched.max_num_scheduled_tokens == 2 + 36 + 90 + 130
 
 
-def test_the_urgent_step_never_exceeds_the_engines_budget() -> None:
+def test_an_urgent_prompt_that_does_not_fit_whole_waits_for_the_next_step() -> None:
+    decodes = [Req("d1", 0, 120, 100, 20), Req("d2", 0, 60, 50, 10)]
+    waiting = [Req("top-a", -1, 0, 300), Req("top-b", -1, 0, 300)]
+    w = worker([item(1, 0), item(1, 0)], decodes, waiting)
+    w._hold_lower_prefills()
+    assert w._sched.max_num_scheduled_tokens == 2 + 300  # not 512: top-b is not cut in two
+
+
+def test_an_urgent_prompt_longer_than_the_engines_budget_is_chunked() -> None:
     decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(3)]
     w = worker([item(1, 0)], decodes, [Req("top-huge", -1, 0, 2000)])
     w._hold_lower_prefills()
@@ -126,6 +123,13 @@ def test_nothing_is_held_without_a_prefilling_top_request() -> None:
     assert w._hold_lower_prefills() is None
     assert w._sched.running == [low_prefill]
     assert w._sched.max_num_scheduled_tokens == 128
+
+
+def test_requests_holding_kv_blocks_go_first_so_the_budget_is_left_alone() -> None:
+    w = worker([item(1, 0)], [Req("d", 0, 120, 100, 20)], [Req("top-new", -1, 0, 90)])
+    w._sched.kv_holding_waiting = [Req("kv-loading", 0, 0, 90)]
+    w._hold_lower_prefills()
+    assert w._sched.max_num_scheduled_tokens == 512
 
 
 def test_nothing_is_held_when_the_scheduler_is_in_another_process() -> None:
