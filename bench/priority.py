@@ -238,9 +238,11 @@ def main() -> None:
     parser.add_argument(
         "--max-step-tokens",
         type=int,
-        default=256,
-        help="the engine's maximum (--max-num-batched-tokens): what a high-priority prompt's "
-        "prefill step may use",
+        default=512,
+        help="the engine's maximum (--max-num-batched-tokens): what the prefill step of "
+        "high-priority prompts may use. Room for three whole prompts of this workload (up to "
+        "~165 tokens): a step costs mostly its fixed part, so prompts that arrive together "
+        "share one rather than the last waiting a step (docs/benchmarks.md)",
     )
     parser.add_argument(
         "--reserved-top-slots",

@@ -5,11 +5,12 @@ sequence slots under the admitted-concurrency limit, KV tokens), step the engine
 that step's deltas to the event loop in one callback, retire finished, expired and cancelled
 requests. The only module that imports vllm.
 
-Priority preemption (abort and requeue): when a top-priority request has waited longer than
-`preempt_after_s` and the engine has no free slot or KV room, the lowest-priority running
-request is aborted in vLLM and put back at the front of the queue with its generated tokens
-appended to its prompt; when it is admitted again it resumes where it stopped (the prefix cache
-usually holds its KV), and its stream just continues. Measured against vLLM's own priority
+Priority preemption (abort and requeue): when top-priority requests have waited longer than
+`preempt_after_s` and the engine has fewer free slots than there are of them (or no KV room),
+as many of the lowest-priority running requests as are needed are aborted in vLLM and put back
+at the front of the queue, each with its generated tokens appended to its prompt; when it is
+admitted again it resumes where it stopped (the prefix cache usually holds its KV), and its
+stream just continues. Measured against vLLM's own priority
 preemption in docs/benchmarks.md: vLLM only preempts when KV blocks run out, never for a free
 sequence slot, so behind a full batch it does not help a top-priority arrival at all.
 
