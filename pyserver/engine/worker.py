@@ -259,6 +259,10 @@ class EngineWorker:
         # Running estimates (EWMA of value and of absolute deviation) for deadline admission.
         self._step_est = _Estimate()
         self._prefill_est = _Estimate()
+        # A fresh engine's first step carries one-time costs (216 ms against ~40 after it, on
+        # 2 cores); timings that include it would make the estimates refuse long requests for
+        # the next few dozen steps. They count from the end of that step.
+        self._estimates_from_ns = 0
         _count_engine_preemptions(engine, self._metrics)
         self._items: dict[int, WorkItem] = {}  # every accepted, unfinished request
         self._running: dict[int, WorkItem] = {}  # in the engine (worker thread only)
@@ -540,7 +544,10 @@ class EngineWorker:
         self.stats.steps += 1
         now = time.monotonic_ns()
         batch = len(self._running)
-        self._step_est.add((now - started) / 1e9)
+        if self._estimates_from_ns:
+            self._step_est.add((now - started) / 1e9)
+        else:
+            self._estimates_from_ns = now
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
         m = self._metrics
         m.batch_size.observe(batch)
@@ -560,7 +567,8 @@ class EngineWorker:
                 decoding.discard(h)
                 if not item.first_token_ns:
                     item.first_token_ns = now
-                    self._prefill_est.add((now - item.admitted_ns) / 1e9)
+                    if item.admitted_ns >= self._estimates_from_ns:
+                        self._prefill_est.add((now - item.admitted_ns) / 1e9)
                     if ctl is not None and ctl.metric == "ttft":
                         ctl.observe((now - item.accepted_ns) / 1e6)
                 elif item.last_token_ns:
@@ -770,6 +778,9 @@ class _Estimate:
 
     def add(self, value: float) -> None:
         self._n += 1
+        if self._n == 1:  # no deviation yet: measured from 0 it would triple the estimate
+            self._mean = value
+            return
         alpha = max(0.05, 1.0 / self._n)
         self._dev += alpha * (abs(value - self._mean) - self._dev)
         self._mean += alpha * (value - self._mean)
