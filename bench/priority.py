@@ -238,11 +238,10 @@ def main() -> None:
     parser.add_argument(
         "--max-step-tokens",
         type=int,
-        default=512,
+        default=256,
         help="the engine's maximum (--max-num-batched-tokens): what the prefill step of "
-        "high-priority prompts may use. Room for three whole prompts of this workload (up to "
-        "~165 tokens): a step costs mostly its fixed part, so prompts that arrive together "
-        "share one rather than the last waiting a step (docs/benchmarks.md)",
+        "high-priority prompts may use. 512 (three whole prompts of this workload) showed no "
+        "gain in high TTFT and longer steps for every stream (docs/benchmarks.md, runs 41-47)",
     )
     parser.add_argument(
         "--reserved-top-slots",
