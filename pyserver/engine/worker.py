@@ -10,9 +10,9 @@ Priority preemption (abort and requeue): when top-priority requests have waited 
 as many of the lowest-priority running requests as are needed are aborted in vLLM and put back
 at the front of the queue, each with its generated tokens appended to its prompt; when it is
 admitted again it resumes where it stopped (the prefix cache usually holds its KV), and its
-stream just continues. Measured against vLLM's own priority
-preemption in docs/benchmarks.md: vLLM only preempts when KV blocks run out, never for a free
-sequence slot, so behind a full batch it does not help a top-priority arrival at all.
+stream just continues. Measured against vLLM's own priority preemption in docs/benchmarks.md:
+vLLM only preempts when KV blocks run out, never for a free sequence slot, so behind a full
+batch it does not help a top-priority arrival at all.
 
 Deadline-aware admission: the worker keeps running estimates of prefill time and of the time
 per engine step. A request whose deadline cannot be met (queue wait + prefill + max_tokens
@@ -613,8 +613,10 @@ class EngineWorker:
         low-priority prompt chunks, and with the budget left over a low-priority prompt would
         start in the urgent step, or the next urgent prompt be cut into a chunk whose first
         token comes a step later anyway, both lengthening the step. Urgent prompts share one
-        step rather than taking a step each: a step costs mostly its fixed part here (about
-        48 ms, against 0.26 ms per prompt token: docs/benchmarks.md). Returns the held requests
+        step rather than taking a step each: a step costs mostly its fixed part (on two CPU
+        cores about 48 ms, against 0.26 ms per prompt token: docs/benchmarks.md). A waiting
+        prompt counts in full: if the prefix cache holds part of it, the budget left over may
+        start the next waiting request's prefill early. Returns the held requests
         (put back after the step, with the budget) or None when nothing was changed. Only with
         the engine in this process (the scheduler is reachable); decodes are never held."""
         sched, top = self._sched, self._top_priority
