@@ -9,7 +9,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_HOST_IP ?= 127.0.0.1
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing bench-priority bench-batching profile soak clean
+.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing bench-priority bench-batching bench-step profile soak clean
 
 # Third-party dependencies: reinstalled only when pyproject.toml changes.
 $(VENV)/.deps-stamp: pyproject.toml
@@ -71,6 +71,11 @@ bench-priority: model
 # Batch window, max wait and length buckets against release-on-arrival, open loop; last line JSON.
 bench-batching: model
 	$(PY) bench/batching.py
+
+# One engine step's fixed cost and cost per prompt token, eager then compiled; JSON lines.
+bench-step: model
+	$(PY) bench/step_cost.py
+	$(PY) bench/step_cost.py --compiled
 
 # Where a saturated server spends its time (py-spy), at 4 and 32 streams; last line JSON.
 profile: model
