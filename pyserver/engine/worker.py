@@ -614,7 +614,8 @@ class EngineWorker:
         start in the urgent step, or the next urgent prompt be cut into a chunk whose first
         token comes a step later anyway, both lengthening the step. Urgent prompts share one
         step rather than taking a step each: a step costs mostly its fixed part (on two CPU
-        cores about 48 ms, against 0.26 ms per prompt token: docs/benchmarks.md). A waiting
+        cores 30-48 ms with the host's speed, against 0.24-0.26 ms per prompt token: `make
+        bench-step` and docs/benchmarks.md). A waiting
         prompt counts in full: if the prefix cache holds part of it, the budget left over may
         start the next waiting request's prefill early. Returns the held requests
         (put back after the step, with the budget) or None when nothing was changed. Only with
