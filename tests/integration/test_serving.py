@@ -282,7 +282,12 @@ def test_urgent_prompts_share_one_step_that_no_lower_prompt_lengthens(  # type: 
         ]
         assert wait_until(lambda: worker.running == 2, 30)
         earlier = set(steps.priority)
-        together = _queue_together(worker, pool, s, _questions(3, 1) + _questions(2, 0))
+        # Long low prompts: a prefix-cache hit on the short ones leaves budget over (the
+        # worker counts waiting prompts in full), but never a whole long prompt's worth.
+        long_lows = [
+            request(f"Story {i}: " + "the sea and the sky " * 40, max_tokens=4) for i in range(2)
+        ]
+        together = _queue_together(worker, pool, s, _questions(3, 1) + long_lows)
         done = [f.result(120) for f in together + lows]
     assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
     highs = steps.first_tokens(1, besides=earlier)
