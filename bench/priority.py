@@ -241,7 +241,7 @@ def main() -> None:
         default=256,
         help="the engine's maximum (--max-num-batched-tokens): what the prefill step of "
         "high-priority prompts may use. 512 (three whole prompts of this workload) showed no "
-        "gain in high TTFT and longer steps for every stream (docs/benchmarks.md, runs 41-47)",
+        "gain in high TTFT and longer steps for every stream (docs/benchmarks.md, runs 41-48)",
     )
     parser.add_argument(
         "--reserved-top-slots",

@@ -67,15 +67,14 @@ def main() -> None:
         return times
 
     run(2, 32, 8)  # the first steps carry one-time costs
-    lengths, prefill_ms = [], []
-    for prompt_len in (10, 40, 70, 100, 130, 160):
-        for _ in range(args.repeats):
-            lengths.append(prompt_len)
-            prefill_ms.append(run(1, prompt_len, 1)[0])
-    per_token, fixed = np.polyfit(lengths, prefill_ms, 1)
     by_length = {
-        n: [m for m, k in zip(prefill_ms, lengths, strict=True) if k == n] for n in lengths
+        n: [run(1, n, 1)[0] for _ in range(args.repeats)] for n in (10, 40, 70, 100, 130, 160)
     }
+    per_token, fixed = np.polyfit(
+        [n for n, ms in by_length.items() for _ in ms],
+        [m for ms in by_length.values() for m in ms],
+        1,
+    )
     decode = run(args.max_num_seqs, 32, 32)[2:]  # after the prefill steps
     result = {
         "mode": "compiled" if args.compiled else "eager",

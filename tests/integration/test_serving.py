@@ -276,11 +276,7 @@ def test_urgent_prompts_share_one_step_that_no_lower_prompt_lengthens(  # type: 
     assert wait_until(live_server.engine_idle, 30)
     steps = EngineSteps(worker, monkeypatch)
     with ThreadPoolExecutor(8) as pool:
-        lows = [
-            pool.submit(run_stream, s, request(f"Saga {i}", max_tokens=48, ignore_eos=True))
-            for i in range(2)
-        ]
-        assert wait_until(lambda: worker.running == 2, 30)
+        lows = _fill_engine(live_server, pool, 2)
         earlier = set(steps.priority)
         # Long low prompts: a prefix-cache hit on the short ones leaves budget over (the
         # worker counts waiting prompts in full), but never a whole long prompt's worth.
@@ -308,11 +304,7 @@ def test_a_top_priority_burst_larger_than_the_free_slots_enters_at_once(  # type
     assert wait_until(live_server.engine_idle, 30)
     steps = EngineSteps(worker, monkeypatch)
     with ThreadPoolExecutor(12) as pool:
-        lows = [
-            pool.submit(run_stream, s, request(f"Saga {i}", max_tokens=64, ignore_eos=True))
-            for i in range(7)
-        ]
-        assert wait_until(lambda: worker.running == 7, 30)  # one slot of 8 left
+        lows = _fill_engine(live_server, pool, 7, max_tokens=64)  # one slot of 8 left
         highs = _queue_together(worker, pool, s, _questions(3, 1))
         done = [f.result(120) for f in highs + lows]
     assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
