@@ -207,7 +207,7 @@ def serve(args: argparse.Namespace, extra: list[str], log: str) -> tuple[Server,
     return server, target, metrics_port
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--duration",
@@ -279,10 +279,23 @@ def main() -> None:
     parser.add_argument(
         "--knob", default="step_tokens", help="what the controller sets (concurrency: the seed's)"
     )
-    args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    parser.add_argument(
+        "--unloaded-requests",
+        type=int,
+        default=300,
+        help="requests sent one at a time for the unloaded TTFT; the p99 of 100 (until run 50) "
+        "moved 83-115 ms within one hour on a quiet host, as the host's hiccups fell on one or "
+        "two of them (docs/benchmarks.md, runs 51-52)",
+    )
+    return parser
 
-    server, target, metrics_port = serve(args, [], "priority-off.log")
+
+def controller_off_half(
+    args: argparse.Namespace, log: str
+) -> tuple[float, float, dict[str, object]]:
+    """Calibrate capacity (sets args.rate) and the unloaded TTFT p99, then run the open loop
+    against the same server: (unloaded TTFT p99 ms, unloaded ITL p50 ms, summary + counters)."""
+    server, target, metrics_port = serve(args, [], log)
     try:
         cap = asyncio.run(
             capacity(
@@ -297,10 +310,10 @@ def main() -> None:
             )
         )
         args.rate = cap * args.overload
-        # 300 samples: the p99 of 30 (the bench until run 31) is in effect their maximum, and
-        # that of 100 (until run 50) still moved 83-115 ms within one hour on a quiet host, as
-        # the host's hiccups fell on one or two of them (docs/benchmarks.md, run 51).
-        base = asyncio.run(unloaded(target, 300, args.max_tokens, first_n_full=30))
+        args.capacity = cap
+        base = asyncio.run(
+            unloaded(target, args.unloaded_requests, args.max_tokens, first_n_full=30)
+        )
         unloaded_ttft = p99_ms([c.ttft_s for c in base])
         unloaded_itl_p50 = float(np.median([g for c in base[:30] for g in c.gaps_s])) * 1e3
         print(
@@ -314,6 +327,13 @@ def main() -> None:
     finally:
         server.stop()
     off = {**summarize(off_calls, off_wall, args.max_tokens), **off_counters}
+    return unloaded_ttft, unloaded_itl_p50, off
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    unloaded_ttft, unloaded_itl_p50, off = controller_off_half(args, "priority-off.log")
     print(f"controller off: {json.dumps(off)}", file=sys.stderr)
 
     # The SLO a streaming user would state: no token gap worse than this. Derived (when not
@@ -334,7 +354,7 @@ def main() -> None:
     print(f"controller on: {json.dumps(on)}", file=sys.stderr)
 
     result = {
-        "capacity_req_s": round(cap, 3),
+        "capacity_req_s": round(args.capacity, 3),
         "rate_req_s": round(args.rate, 3),
         "duration_s": args.duration,
         "high_ttft_p99_ms": off["high_ttft_p99_ms"],
