@@ -20,7 +20,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from priority import RESULTS, build_parser, controller_off_half
 
-FIGURES = ("capacity", "unloaded", "high", "ratio", "queue_p99", "prefill_p99", "itl", "tok_s")
+FIGURES = (
+    "capacity",
+    "unloaded",
+    "high",
+    "ratio",
+    "queue_p99",
+    "prefill_p99",
+    "low",
+    "itl",
+    "tok_s",
+    "preemptions",
+    "missed",
+)
 
 
 def one_round(args: argparse.Namespace, name: str) -> dict[str, float]:
@@ -33,8 +45,11 @@ def one_round(args: argparse.Namespace, name: str) -> dict[str, float]:
         "ratio": round(high / unloaded_ttft, 3),
         "queue_p99": off["high_queue_ms_p50_p90_p99"][-1],  # type: ignore[index]
         "prefill_p99": off["high_prefill_ms_p50_p90_p99"][-1],  # type: ignore[index]
+        "low": off["low_ttft_p99_ms"],  # type: ignore[dict-item]
         "itl": off["itl_p99_ms"],  # type: ignore[dict-item]
         "tok_s": off["output_tok_s"],  # type: ignore[dict-item]
+        "preemptions": off.get("preemptions_priority", 0.0),  # type: ignore[dict-item]
+        "missed": off["admitted_then_missed_deadline"],  # type: ignore[dict-item]
     }
 
 
