@@ -240,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=64,
         help="token budget of a normal engine step (both runs; the controller moves it). A "
-        "high-priority request that arrives during a step waits for it; 64 against 128 cut that "
-        "wait's p99 by ~20 ms at equal throughput in 4 paired rounds (docs/benchmarks.md)",
+        "high-priority request that arrives during a step waits for it. 64 against 128, in 4 "
+        "paired rounds: a few ms less of that wait at equal throughput (the medians' ~20 ms is "
+        "mostly which side of an ITL cliff the rounds fell on; docs/benchmarks.md, runs 51-56)",
     )
     parser.add_argument(
         "--max-step-tokens",
