@@ -296,8 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
 def controller_off_half(
     args: argparse.Namespace, log: str
 ) -> tuple[float, float, dict[str, object]]:
-    """Calibrate capacity (sets args.rate) and the unloaded TTFT p99, then run the open loop
-    against the same server: (unloaded TTFT p99 ms, unloaded ITL p50 ms, summary + counters)."""
+    """Calibrate capacity (sets args.capacity, and args.rate from it) and the unloaded TTFT
+    p99, then run the open loop against the same server: (unloaded TTFT p99 ms, unloaded ITL
+    p50 ms, summary + counters)."""
     server, target, metrics_port = serve(args, [], log)
     try:
         cap = asyncio.run(

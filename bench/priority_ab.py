@@ -64,9 +64,16 @@ def main() -> None:
         help="a name and bench/priority.py arguments (repeat: at least two)",
     )
     opts = parser.parse_args()
-    settings = dict(s.split("=", 1) for s in opts.setting)
+    settings: dict[str, str] = {}
+    for setting in opts.setting:
+        name, sep, argv = setting.partition("=")
+        if not sep or not name or name in settings:
+            parser.error(f"--setting {setting!r}: give NAME=ARGS with a name used once")
+        settings[name] = argv
     if len(settings) < 2:
         parser.error("give at least two --setting NAME=ARGS")
+    for argv in settings.values():  # bad arguments fail now, not rounds later
+        build_parser().parse_args(shlex.split(argv))
     RESULTS.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in settings}
     for r in range(opts.rounds):

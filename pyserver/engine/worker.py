@@ -615,11 +615,11 @@ class EngineWorker:
         token comes a step later anyway, both lengthening the step. Urgent prompts share one
         step rather than taking a step each: a step costs mostly its fixed part (on two CPU
         cores 30-48 ms with the host's speed, against 0.24-0.26 ms per prompt token: `make
-        bench-step` and docs/benchmarks.md). A waiting
-        prompt counts in full: if the prefix cache holds part of it, the budget left over may
-        start the next waiting request's prefill early. Returns the held requests
-        (put back after the step, with the budget) or None when nothing was changed. Only with
-        the engine in this process (the scheduler is reachable); decodes are never held."""
+        bench-step` and docs/benchmarks.md). A waiting prompt counts in full: if the prefix
+        cache holds part of it, the budget left over may start the next waiting request's
+        prefill early. Returns the held requests (put back after the step, with the budget) or
+        None when nothing was changed. Only with the engine in this process (the scheduler is
+        reachable); decodes are never held."""
         sched, top = self._sched, self._top_priority
         if sched is None or not any(
             it.priority == top and not it.first_token_ns for it in self._running.values()
