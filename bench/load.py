@@ -4,6 +4,12 @@ Each of `--concurrency` workers sends a request, reads its whole stream, and sen
 until `--requests` are done; the first `--warmup` requests are not counted. Prompts are seeded,
 chat-templated and of mixed lengths; outputs have a fixed length (ignore_eos) for fairness.
 Last stdout line: one JSON object.
+
+Token accounting (`TokenClock`), shared by every client in bench/compare.py: a message (gRPC
+response, SSE chunk) carrying n tokens counts n tokens; each of them gets one inter-token gap,
+the time since the previous message divided by n; the first message's extra tokens arrived with
+the first token and get gaps of 0. So every request contributes tokens - 1 gaps, however its
+server groups tokens into messages.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -47,12 +54,42 @@ class Sample:
     priority: int = 0
 
 
+class TokenClock:
+    """Times one request's stream: call `add(n)` as each message with n new tokens arrives."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first = self.last = 0.0
+        self.tokens = 0
+        self.gaps: list[float] = []
+
+    def add(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if not self.tokens:
+            self.first = now
+            self.gaps.extend([0.0] * (n - 1))
+        else:
+            self.gaps.extend([(now - self.last) / n] * n)
+        self.last = now
+        self.tokens += n
+
+    def sample(self, priority: int = 0) -> Sample:
+        if not self.tokens:  # nothing streamed: first and last token are at the end
+            self.first = self.last = time.perf_counter()
+        return Sample(
+            self.first - self.start, self.last - self.start, self.tokens, self.gaps, priority
+        )
+
+
 @dataclass
 class Report:
     samples: list[Sample] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     client_cpu_s: float = 0.0  # this load generator's own CPU time during the run
+    streaming: bool = True  # False: the whole answer comes at once, there are no token gaps
 
     def summary(self) -> dict[str, object]:
         ok = self.samples
@@ -66,16 +103,20 @@ class Report:
         e2e = [s.e2e_s for s in ok]
         itl = [g for s in ok for g in s.gaps_s]
         tokens = sum(s.tokens for s in ok)
+        itl_pct: Callable[[float], float | None] = (
+            (lambda q: pct(itl, q)) if self.streaming else (lambda q: None)
+        )
         return {
             "requests": len(ok),
+            "output_tokens": tokens,
             "output_tok_s": round(tokens / self.wall_s, 1),
             "requests_s": round(len(ok) / self.wall_s, 2),
             "ttft_p50_ms": pct(ttft, 50),
             "ttft_p90_ms": pct(ttft, 90),
             "ttft_p99_ms": pct(ttft, 99),
-            "itl_p50_ms": pct(itl, 50),
-            "itl_p90_ms": pct(itl, 90),
-            "itl_p99_ms": pct(itl, 99),
+            "itl_p50_ms": itl_pct(50),
+            "itl_p90_ms": itl_pct(90),
+            "itl_p99_ms": itl_pct(99),
             "e2e_p50_ms": pct(e2e, 50),
             "e2e_p90_ms": pct(e2e, 90),
             "e2e_p99_ms": pct(e2e, 99),
@@ -102,28 +143,22 @@ def generate_request(
 
 
 async def one(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest, timeout: float) -> Sample:
-    start = time.perf_counter()
-    first = last = 0.0
-    tokens = 0
-    gaps: list[float] = []
+    clock = TokenClock()
     async for msg in stub.Generate(req, timeout=timeout):
-        now = time.perf_counter()
-        n = len(msg.token_ids)
-        if n:
-            if not first:
-                first = now
-            else:
-                gaps.extend([(now - last) / n] * n)
-            last = now
-            tokens += n
-    return Sample(first - start, last - start, tokens, gaps, req.priority)
+        clock.add(len(msg.token_ids))
+    return clock.sample(req.priority)
 
 
+T = TypeVar("T")
 Send = Callable[[str], Awaitable[Sample]]
 
 
 async def closed_loop(
-    send: Send, texts: list[str], concurrency: int, warmup: int, label: str = ""
+    send: Callable[[T], Awaitable[Sample]],
+    texts: list[T],
+    concurrency: int,
+    warmup: int,
+    label: str = "",
 ) -> Report:
     """`concurrency` workers each send the next prompt as soon as their last one finished."""
     report = Report()

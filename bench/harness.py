@@ -1,0 +1,167 @@
+"""Launch a benchmark target as a process group of its own and tear it down as one.
+
+vLLM servers fork engine-core and worker processes; a target stopped by signalling its leader
+alone can leave those running (the seed peer's engine core was found busy six minutes after a
+`make bench`, while the next benchmark ran). So every target is started with
+`start_new_session=True` (its own session and process group, id = the leader's pid), stopped
+by signalling the whole group (SIGTERM, then SIGKILL after a grace), and then checked: any
+process still in that session or group, or any descendant seen while it ran, is an error that
+names the survivors and kills them. Linux only (reads /proc), as the rest of the bench.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str
+    start: int  # clock ticks since boot: tells a live pid from a reused one
+
+
+def _read(pid: int) -> Proc | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name is in parentheses and may hold spaces: split after the last ')'.
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return Proc(pid, int(fields[1]), int(fields[2]), int(fields[3]), fields[0], int(fields[19]))
+
+
+def processes() -> list[Proc]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (p := _read(int(entry))) is not None:
+            out.append(p)
+    return out
+
+
+def alive(p: Proc) -> bool:
+    """A zombie has exited; only its parent's wait is missing (in a container PID 1 may never
+    reap one), so it is not a survivor."""
+    now = _read(p.pid)
+    return now is not None and now.start == p.start and now.state not in ("Z", "X")
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
+def members(sid: int) -> list[Proc]:
+    """Live processes in session or process group `sid` (the leader's pid)."""
+    return [p for p in processes() if (p.sid == sid or p.pgid == sid) and alive(p)]
+
+
+def descendants(root: int) -> list[Proc]:
+    """Every live process below `root`, by parent links: catches a child that moved itself
+    into a session of its own (setsid), which the session scan would miss."""
+    table = processes()
+    children: dict[int, list[Proc]] = {}
+    for p in table:
+        children.setdefault(p.ppid, []).append(p)
+    out: list[Proc] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child.pid)
+    return [p for p in out if alive(p)]
+
+
+class SurvivorError(RuntimeError):
+    pass
+
+
+class Group:
+    """One target: `cmd` as the leader of a new session, output to `log`."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str], grace_s: float = 60) -> None:
+        self.cmd = cmd
+        self.grace_s = grace_s
+        self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.sid = self.proc.pid
+        self._seen: dict[int, Proc] = {}
+        self._stopped = False
+
+    def note_children(self) -> None:
+        """Remember the processes below the leader now (called once it is ready), so a child
+        that left the session is still checked at teardown."""
+        for p in descendants(self.proc.pid):
+            self._seen[p.pid] = p
+
+    def _signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
+            os.killpg(self.sid, sig)
+        for p in self._seen.values():
+            if p.pgid != self.sid and alive(p):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, sig)
+
+    def _left(self) -> list[Proc]:
+        return members(self.sid) + [
+            p for p in self._seen.values() if p.sid != self.sid and alive(p)
+        ]
+
+    def _wait_empty(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.proc.poll()  # reap the leader, or it stays a zombie of ours
+            if not self._left():
+                return True
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> None:
+        """SIGTERM the group (servers drain and exit), SIGKILL what is left after the grace,
+        then fail loudly if anything of the target still runs."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            if self.proc.poll() is None or self._left():
+                self.note_children()
+                self._signal(signal.SIGTERM)
+                if not self._wait_empty(self.grace_s):
+                    self._signal(signal.SIGKILL)
+                    self._wait_empty(10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+            left = self._left()
+            if left:
+                names = "; ".join(f"{p.pid} [{p.state}] {cmdline(p.pid)}" for p in left)
+                raise SurvivorError(
+                    f"target {self.cmd[:4]} left processes alive after SIGKILL: {names}"
+                )
+        finally:
+            self._log.close()
+
+
+def cpu_list() -> str:
+    """The cores this process may run on, in the list syntax VLLM_CPU_OMP_THREADS_BIND takes
+    ("0-1", "0,2-3"): the binding over every usable core."""
+    cpus = sorted(os.sched_getaffinity(0))
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
