@@ -109,6 +109,20 @@ def _serve_parser(sub: Any) -> None:
         "engine sequence slots kept for top-priority requests: lower levels fill at most "
         "max-num-seqs minus this, so a top-priority arrival starts at once without preempting",
     )
+    p.add_argument(
+        "--deadline-admission",
+        choices=("on", "shadow", "off"),
+        default=_env_default("deadline-admission", "on"),
+        help="refuse at submit a call predicted to miss its deadline or queue timeout (on); "
+        "only record the decision in Timings.refusal_predicted (shadow); never (off)",
+    )
+    _add(
+        p,
+        "--refusal-confidence",
+        float,
+        0.95,
+        "deadline admission refuses only when at least this sure the call would miss",
+    )
     _add(p, "--bucket-bounds", _ints, (), "prompt-length bucket bounds, e.g. 64,256,1024")
     _add(p, "--batch-window-ms", float, 0.0, "hold the first arrival this long to gather a batch")
     _add(p, "--max-wait-ms", float, 0.0, "release when the oldest waited this long (0: off)")
@@ -264,6 +278,8 @@ def _serve(args: argparse.Namespace) -> int:
         level_queue_timeout_ms=args.level_queue_timeout_ms,
         reserved_top_slots=args.reserved_top_slots,
         step_tokens=args.step_tokens,
+        deadline_admission=args.deadline_admission,
+        refusal_confidence=args.refusal_confidence,
         preempt_after_s=None if args.preempt_after_ms < 0 else args.preempt_after_ms / 1e3,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,

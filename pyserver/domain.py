@@ -55,6 +55,8 @@ class Delta:
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     preemptions: int = 0
+    predicted_total_ms: float = 0.0
+    refusal_predicted: bool = False
     error: RequestError | None = None
 
     @property
@@ -73,6 +75,8 @@ class Delta:
             "ttft_ms",
             "total_ms",
             "preemptions",
+            "predicted_total_ms",
+            "refusal_predicted",
             "error",
         ):
             value = getattr(later, name)
@@ -130,3 +134,6 @@ class WorkItem:
     reserved_tokens: int = 0  # KV tokens reserved while in the engine
     preemptions: int = 0
     span: Any = None  # the call's RPC span, for engine-step span links (opaque here)
+    prediction: Any = None  # the worker's finish-time Prediction at submit (opaque here)
+    expected_tokens: float = 0.0  # output tokens the worker expects it to generate
+    refusal_predicted: bool = False  # shadow deadline admission would have refused it

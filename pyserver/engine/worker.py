@@ -14,11 +14,13 @@ stream just continues. Measured against vLLM's own priority preemption in docs/b
 vLLM only preempts when KV blocks run out, never for a free sequence slot, so behind a full
 batch it does not help a top-priority arrival at all.
 
-Deadline-aware admission: the worker keeps running estimates of prefill time and of the time
-per engine step. A request whose deadline cannot be met (queue wait + prefill + max_tokens
-steps, with a margin) is refused at submit, and re-checked when the queue releases it; either
-way it ends DEADLINE_EXCEEDED without having run, so the engine never spends a step on work
-that will be thrown away.
+Deadline-aware admission (pyserver/engine/prediction.py): every call gets a finish-time
+prediction at submit (queue wait from the running and queued requests, plus its own service),
+calibrated against the calls that finished. A call is refused, DEADLINE_EXCEEDED without having
+run, only when even the prediction's lower bound at the refusal confidence misses its deadline
+(or, waiting, its queue timeout); the same bound is checked again when the queue releases it.
+In shadow mode the decision is only recorded (Timings.refusal_predicted), to measure how many
+refusals would have been wrong.
 
 Failure policy: an exception from the engine fails every queued and in-flight request with
 UNAVAILABLE, closes the queue and sets `failed`; the server then turns health NOT_SERVING and
@@ -42,6 +44,7 @@ from typing import Any, TypeVar
 
 from pyserver.batching import BatchQueue, PushStatus, QueueConfig
 from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
+from pyserver.engine.prediction import FinishTimePredictor, Job
 from pyserver.scheduling import AdaptiveBatchController
 from pyserver.telemetry.metrics import Metrics
 from pyserver.telemetry.tracing import StepTracer
@@ -50,7 +53,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _IDLE_WAIT_S = 0.05
-_DEADLINE_MARGIN = 1.5  # predicted service time x this must fit before the deadline
+DEADLINE_ADMISSION_MODES = ("on", "shadow", "off")
 
 
 @dataclass(slots=True)
@@ -198,6 +201,8 @@ class EngineWorker:
         preempt_after_s: float | None = 0.0,
         reserved_top_slots: int = 0,
         step_tokens: int = 0,
+        deadline_admission: str = "on",
+        refusal_confidence: float = 0.95,
     ) -> None:
         self._engine = engine
         self._metrics = metrics or Metrics()
@@ -256,12 +261,19 @@ class EngineWorker:
                 f"{reserved_top_slots} with max_num_seqs {self.max_num_seqs}"
             )
         self.reserved_top_slots: int = reserved_top_slots
-        # Running estimates (EWMA of value and of absolute deviation) for deadline admission.
-        self._step_est = _Estimate()
-        self._prefill_est = _Estimate()
+        if deadline_admission not in DEADLINE_ADMISSION_MODES:
+            raise ValueError(
+                f"deadline admission must be one of {', '.join(DEADLINE_ADMISSION_MODES)}, "
+                f"got {deadline_admission!r}"
+            )
+        self.deadline_admission = deadline_admission
+        self.predictor = FinishTimePredictor(refusal_confidence)
+        # What the event loop's predictions read of the engine: the running handles and their
+        # expected remaining steps, replaced whole by the worker thread after each iteration.
+        self._running_view: tuple[frozenset[int], tuple[float, ...]] = (frozenset(), ())
         # A fresh engine's first step carries one-time costs (216 ms against ~40 after it, on
-        # 2 cores); timings that include it would make the estimates refuse long requests for
-        # the next few dozen steps. They count from the end of that step.
+        # 2 cores); timings that include it would skew the predictions for the next few dozen
+        # steps. They count from the end of that step.
         self._estimates_from_ns = 0
         _count_engine_preemptions(engine, self._metrics)
         self._items: dict[int, WorkItem] = {}  # every accepted, unfinished request
@@ -294,7 +306,7 @@ class EngineWorker:
             raise RequestError(
                 ErrorKind.UNAVAILABLE, "the engine has failed; retry on another replica"
             )
-        self._refuse_if_late(item)
+        self._predict(item, queue_deadline_ns)
         self._items[item.handle] = item
         cost = len(item.prompt_token_ids) + item.sampling.max_tokens
         status = self.queue.push(
@@ -317,32 +329,72 @@ class EngineWorker:
             raise RequestError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         raise RequestError(ErrorKind.INVALID, f"request rejected by the queue ({cost} tokens)")
 
-    def service_estimate_s(self, item: WorkItem) -> float:
-        """Predicted prefill + generation time of `item` from here, 0 before any measurement."""
-        remaining = item.sampling.max_tokens - item.completion_tokens
-        return self._prefill_est.upper() + remaining * self._step_est.upper()
-
-    def _refuse_if_late(self, item: WorkItem) -> None:
-        """Refuse at once a request that cannot finish before its deadline: predicted queue
-        wait (requests ahead at its level or above, over the engine's concurrency) plus its own
-        service time, with a margin."""
-        if not item.deadline_ns:
-            return
-        stats = self.queue.stats()
-        ahead = sum(sum(level) for level in stats.depth[item.priority :])
-        free = max(0, self.concurrency_limit - len(self._running))
-        waves = max(0, ahead - free) / max(1, self.concurrency_limit)
-        wait_s = waves * self._mean_request_s if ahead >= free else 0.0
-        need_s = wait_s + self.service_estimate_s(item) * _DEADLINE_MARGIN
-        left_s = (item.deadline_ns - time.monotonic_ns()) / 1e9
-        if need_s > left_s:
-            self._metrics.deadline_refusals.labels("submit").inc()
-            raise RequestError(
-                ErrorKind.DEADLINE,
-                f"deadline: cannot finish in time (about {need_s * 1e3:.0f} ms needed: "
-                f"{wait_s * 1e3:.0f} ms queue + generation; {max(0.0, left_s) * 1e3:.0f} ms "
-                "left); raise the deadline or lower max_tokens",
+    def _predict(self, item: WorkItem, queue_deadline_ns: int) -> None:
+        """Predict the call's finish time (kept on the item, checked against what it took) and
+        refuse it when the prediction's lower bound misses its deadline or its queue timeout."""
+        p = self.predictor
+        fixed = _fixed_length(item.sampling)
+        item.expected_tokens = p.expected_tokens(item.sampling.max_tokens, fixed)
+        if not p.ready:
+            return  # nothing measured yet: no prediction, no refusal
+        running, remaining = self._running_view
+        ahead = [
+            Job(it.priority, p.service_steps(it.expected_tokens))
+            for it in list(self._items.values())  # list(): one atomic copy under the GIL
+            if it.handle not in running
+        ]
+        pred = p.predict(
+            Job(item.priority, p.service_steps(item.expected_tokens)),
+            fixed_length=fixed,
+            running=remaining,
+            ahead=ahead,
+            slots=self.concurrency_limit,
+        )
+        item.prediction = pred
+        now = time.monotonic_ns()
+        reason = ""
+        if item.deadline_ns and pred.lower_s > (item.deadline_ns - now) / 1e9:
+            reason = (
+                f"deadline: predicted to finish in {pred.mean_s:.1f} s (at the earliest "
+                f"{pred.lower_s:.1f} s, {p.confidence:.0%} confidence: "
+                f"{pred.wait_lower_s:.1f} s queued) with "
+                f"{max(0, item.deadline_ns - now) / 1e9:.1f} s left; raise the deadline, "
+                "lower max_tokens or retry later"
             )
+        elif queue_deadline_ns and pred.wait_lower_s > (queue_deadline_ns - now) / 1e9:
+            reason = (
+                f"deadline: predicted to wait {pred.wait_raw_s:.1f} s in the queue (at the "
+                f"least {pred.wait_lower_s:.1f} s, {p.confidence:.0%} confidence), past its "
+                f"queue timeout of {max(0, queue_deadline_ns - now) / 1e9:.1f} s; retry later"
+            )
+        if not reason:
+            return
+        if self.deadline_admission == "shadow":
+            item.refusal_predicted = True
+        elif self.deadline_admission == "on":
+            self._metrics.deadline_refusals.labels("submit").inc()
+            raise RequestError(ErrorKind.DEADLINE, reason, retry_after_ms=self.retry_after_ms())
+
+    def _late_at_admission(self, item: WorkItem, now: int) -> bool:
+        """Released by the queue: would even the fastest plausible service miss the deadline?"""
+        if not item.deadline_ns or not self.predictor.ready:
+            return False
+        steps = self.predictor.service_steps(item.expected_tokens - item.completion_tokens)
+        pred = self.predictor.predict(
+            Job(item.priority, steps), fixed_length=_fixed_length(item.sampling), queued=False
+        )
+        late = pred.service_lower_s > (item.deadline_ns - now) / 1e9
+        if late and self.deadline_admission == "shadow":
+            item.refusal_predicted = True
+            return False
+        return late and self.deadline_admission == "on"
+
+    def _remaining_service_s(self, item: WorkItem) -> float:
+        """Calibrated mean time `item` still needs in the engine."""
+        p = self.predictor
+        steps = max(1.0, item.expected_tokens - item.completion_tokens)
+        fixed = _fixed_length(item.sampling)
+        return p.predict(Job(item.priority, steps), fixed_length=fixed, queued=False).mean_s
 
     def cancel(self, handle: int) -> None:
         """The client went away: drop it from the queue, or abort it in the engine next step."""
@@ -390,6 +442,7 @@ class EngineWorker:
                 self._apply_aborts()
                 self._preempt_for_top_priority()
                 self._admit()
+                self._publish_running_view()
                 if self._running:
                     self._step()
                 elif self.queue.closed and self.queue.size() == 0:
@@ -458,9 +511,7 @@ class EngineWorker:
             item = self._items.get(h)
             if item is None:
                 continue
-            if item.deadline_ns and (
-                now + self.service_estimate_s(item) * _DEADLINE_MARGIN * 1e9 > item.deadline_ns
-            ):
+            if self._late_at_admission(item, now):
                 self._items.pop(h, None)
                 self._metrics.deadline_refusals.labels("admit").inc()
                 err = RequestError(
@@ -545,7 +596,7 @@ class EngineWorker:
         now = time.monotonic_ns()
         batch = len(self._running)
         if self._estimates_from_ns:
-            self._step_est.add((now - started) / 1e9)
+            self.predictor.observe_step((now - started) / 1e9)
         else:
             self._estimates_from_ns = now
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
@@ -568,7 +619,7 @@ class EngineWorker:
                 if not item.first_token_ns:
                     item.first_token_ns = now
                     if item.admitted_ns >= self._estimates_from_ns:
-                        self._prefill_est.add((now - item.admitted_ns) / 1e9)
+                        self.predictor.observe_first_token((now - item.admitted_ns) / 1e9)
                     if ctl is not None and ctl.metric == "ttft":
                         ctl.observe((now - item.accepted_ns) / 1e6)
                 elif item.last_token_ns:
@@ -584,6 +635,7 @@ class EngineWorker:
             if o.finished:
                 delta.finish_reason = "length" if c.finish_reason == "length" else "stop"
                 self._fill_usage(delta, item, now, int(o.num_cached_tokens or 0))
+                self._observe_finish(item, now, cut=delta.finish_reason == "length")
                 self._mean_request_s += 0.1 * (
                     (now - item.admitted_ns) / 1e9 - self._mean_request_s
                 )
@@ -600,8 +652,32 @@ class EngineWorker:
         if ctl is not None:
             self._apply_limit(ctl.update())
         out.extend(self._expire_running(now))
+        self._publish_running_view()
         if out:
             self._deliver(out)
+
+    def _observe_finish(self, item: WorkItem, now: int, *, cut: bool) -> None:
+        """Feed a finished call back to the predictor: its natural length and what its
+        prediction missed by."""
+        fixed = _fixed_length(item.sampling)
+        if not fixed:
+            self.predictor.observe_length(item.completion_tokens, cut)
+        if item.prediction is None:
+            return
+        ratio = self.predictor.observe_finish(
+            item.prediction,
+            waited_s=(item.admitted_ns - item.accepted_ns) / 1e9,
+            served_s=(now - item.admitted_ns) / 1e9,
+            fixed_length=fixed,
+        )
+        if ratio is not None:
+            self._metrics.finish_time_ratio.observe(ratio)
+
+    def _publish_running_view(self) -> None:
+        expected = [
+            max(1.0, it.expected_tokens - it.completion_tokens) for it in self._running.values()
+        ]
+        self._running_view = (frozenset(self._running), tuple(expected))
 
     def _hold_lower_prefills(self) -> list[Any] | None:
         """While a top-priority request is prefilling, keep lower-priority requests that are
@@ -668,8 +744,7 @@ class EngineWorker:
         in time into one that misses its deadline."""
         if not item.deadline_ns:
             return True
-        need_s = 2 * self.service_estimate_s(item) * _DEADLINE_MARGIN
-        return (item.deadline_ns - now) / 1e9 > need_s
+        return (item.deadline_ns - now) / 1e9 > 2 * self._remaining_service_s(item)
 
     def _apply_limit(self, limit: int) -> None:
         if self._knob == "concurrency":
@@ -754,6 +829,9 @@ class EngineWorker:
         delta.ttft_ms = ((item.first_token_ns or now) - item.accepted_ns) / 1e6
         delta.total_ms = (now - item.accepted_ns) / 1e6
         delta.preemptions = item.preemptions
+        if item.prediction is not None:
+            delta.predicted_total_ms = item.prediction.mean_s * 1e3
+        delta.refusal_predicted = item.refusal_predicted
 
     def _fail_all(self, message: str) -> None:
         err = RequestError(ErrorKind.UNAVAILABLE, message)
@@ -768,28 +846,9 @@ class EngineWorker:
         self._loop.call_soon_threadsafe(_publish, out)
 
 
-class _Estimate:
-    """EWMA of a duration and of its absolute deviation; upper() = mean + 2 deviations, a cheap
-    high quantile that follows load changes within a few dozen samples."""
-
-    __slots__ = ("_dev", "_mean", "_n")
-
-    def __init__(self) -> None:
-        self._mean = 0.0
-        self._dev = 0.0
-        self._n = 0
-
-    def add(self, value: float) -> None:
-        self._n += 1
-        if self._n == 1:  # no deviation yet: measured from 0 it would triple the estimate
-            self._mean = value
-            return
-        alpha = max(0.05, 1.0 / self._n)
-        self._dev += alpha * (abs(value - self._mean) - self._dev)
-        self._mean += alpha * (value - self._mean)
-
-    def upper(self) -> float:
-        return self._mean + 2.0 * self._dev
+def _fixed_length(s: Sampling) -> bool:
+    """The call runs exactly max_tokens steps (no EOS, no stop string can end it earlier)."""
+    return (s.ignore_eos and not s.stop) or s.min_tokens >= s.max_tokens
 
 
 def _tokens_to_compute(request: Any) -> int:

@@ -200,7 +200,12 @@ def usage_of(d: Delta) -> pb.Usage:
 
 def timings_of(d: Delta) -> pb.Timings:
     return pb.Timings(
-        queue_ms=d.queue_ms, ttft_ms=d.ttft_ms, total_ms=d.total_ms, preemptions=d.preemptions
+        queue_ms=d.queue_ms,
+        ttft_ms=d.ttft_ms,
+        total_ms=d.total_ms,
+        preemptions=d.preemptions,
+        predicted_total_ms=d.predicted_total_ms,
+        refusal_predicted=d.refusal_predicted,
     )
 
 

@@ -59,6 +59,8 @@ class ServerSettings:
     reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use
     step_tokens: int = 0  # per-step token budget of normal steps (0: max_num_batched_tokens)
     level_queue_timeout_ms: tuple[int, ...] = ()  # default queue timeout per level (0: none)
+    deadline_admission: str = "on"  # on | shadow (predict, record, serve anyway) | off
+    refusal_confidence: float = 0.95  # refuse only when this sure the call misses its deadline
     max_prompt_tokens: int = 0  # 0: max_model_len - 1
     max_tokens_limit: int = 0  # 0: max_model_len - 1
     max_message_bytes: int = 4 * 1024 * 1024
@@ -186,6 +188,8 @@ class StreambatchServer:
             preempt_after_s=s.preempt_after_s,
             reserved_top_slots=s.reserved_top_slots,
             step_tokens=s.step_tokens,
+            deadline_admission=s.deadline_admission,
+            refusal_confidence=s.refusal_confidence,
         )
         self.worker.on_failure = self._on_engine_failure
         limits = self._limits(self.worker)

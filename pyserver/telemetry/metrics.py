@@ -29,6 +29,7 @@ _LATENCY_BUCKETS = (
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 
 
 @dataclass(slots=True)
@@ -163,6 +164,13 @@ class Metrics:
             f"{PREFIX}_deadline_refusals",
             "Requests refused because they were predicted to miss their deadline",
             ["stage"],
+            registry=r,
+        )
+        self.finish_time_ratio = Histogram(
+            f"{PREFIX}_finish_time_ratio",
+            "Finished calls: actual accepted-to-finished time / the time predicted at submit "
+            "(1 = calibrated; deadline admission refuses on this prediction)",
+            buckets=_RATIO_BUCKETS,
             registry=r,
         )
         self.engine_failures = Counter(
