@@ -1,52 +1,95 @@
-"""streambatch against the peers a user would otherwise pick, one run, same engine arguments.
+"""streambatch against the servers a user would otherwise pick: same engine, same engine
+arguments, same prompts, every peer at its best documented set-up for the machine.
 
-Targets run one at a time (two engines on two cores fight over core 0), each started and
-stopped by this script on loopback:
-  streambatch   `streambatch serve`, streaming gRPC Generate
-  vllm_openai   vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server), streaming
-                /v1/completions
-  vllm_grpc     vLLM's own gRPC launcher (python -m vllm.entrypoints.launchers.grpc_server,
-                smg-grpc-servicer), streaming Generate on token ids
-  seed_fastapi  the seed article's design (bench/peers/seed_fastapi.py), blocking generate
-  offline       vllm.LLM.generate over the whole workload (bench/peers/offline.py) with the
-                engine core in-process and stepped on its own thread, as streambatch runs
-                it: the ceiling
-  offline_main  the same on the main thread, as a script usually runs it (slower here)
-  offline_mp    the same with vLLM's default process model (engine core in a child process)
-Same prompts for all (seeded, chat-templated once with the model's tokenizer, sent as raw
-text; token ids for vllm_grpc), fixed output length (ignore_eos), closed-loop concurrency,
-warm-up excluded.
+Targets (one at a time: two engines on two cores fight over core 0), each started by this
+script on loopback in a process group of its own and torn down as one (bench/harness.py; a
+survivor fails the run):
+  streambatch           `streambatch serve`, its defaults plus the shared engine arguments;
+                        streaming gRPC Generate on the templated text
+  vllm_openai           vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server),
+                        streaming /v1/completions, VLLM_CPU_OMP_THREADS_BIND over every core
+                        this process may use (vLLM's documented CPU knob; by default it keeps
+                        a core for the API process and computes on the other)
+  vllm_grpc             vLLM's gRPC launcher (python -m vllm.entrypoints.launchers.grpc_server),
+                        token ids in and out, the same binding, warm-up and KV events off
+  *_autobind            the two vLLM servers with vLLM's default binding (extra rows, one round)
+  seed_fastapi          the seed article's design (bench/peers/seed_fastapi.py; one round)
+  offline               vllm.LLM.generate over the fixed64 prompts, engine in-process (one round)
+  streambatch+FLAG+...  streambatch with extra `serve` flags, e.g.
+                        streambatch+--engine-process=separate (for experiments)
 
-Writes bench/results/compare.json and compare.md; last stdout line: one JSON object
-{"targets": {...}}.
+Workloads (seeded; chat-templated once with the model's tokenizer; closed loop; the first
+--warmup requests of each run are sequential and not counted):
+  fixed64        mixed-length prompts, exactly 64 output tokens (ignore_eos)
+  chat           long-tailed (log-normal) prompt and output lengths, EOS allowed
+  shared_prefix  one ~1.5k-token document as the system prompt, short questions, 64 tokens
+Prefix caching is on for every target (the same flag), as are --max-num-seqs and
+--max-num-batched-tokens (explicit: vLLM's defaults differ between its entry points).
+
+Rounds: every target once per round, the order shuffled per round (seeded); each start serves
+all workloads at the headline concurrency (--concurrency); round 1 also runs the sweep levels
+(fewer requests per level, fresh prompts so no level hits another's cache). Reported: the
+median over rounds with min-max, and the median of the per-round streambatch/target ratios.
+
+Token accounting is bench/load.py's TokenClock for every client (tokens per message from the
+message's own token ids; one gap per token after the first). The OpenAI client asks for
+`return_token_ids` so each SSE chunk says how many tokens it carries.
+
+Writes bench/results/compare.json, compare.md and compare.png; the last stdout line is one
+JSON object {"rounds": R, "workloads": {...}}.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
+import math
 import os
-import signal
+import platform
+import random
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from load import Report, Sample, closed_loop, generate_request, one, prompts  # noqa: E402
+from harness import Group, SurvivorError, cpu_list  # noqa: E402
+from load import (  # noqa: E402
+    Report,
+    Sample,
+    TokenClock,
+    closed_loop,
+    generate_request,
+    one,
+    prompts,
+)
 
 RESULTS = HERE / "results"
+WORKLOADS = ("fixed64", "chat", "shared_prefix")
+# Environment variables that change how a target computes; each target's `setup` lists them.
+RELEVANT_ENV = (
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_HOST_IP",
+    "OMP_NUM_THREADS",
+    "SMG_VLLM_SERVICER_WARMUP",
+    "SMG_VLLM_SERVICER_KV_EVENTS",
+    "HF_HUB_OFFLINE",
+)
 
 
 def free_port() -> int:
@@ -57,11 +100,12 @@ def free_port() -> int:
 
 def peer_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("HF_HUB_OFFLINE", "1")
-    # Each target runs vLLM's process model its own way (streambatch: in-process by default).
+    # Each target runs vLLM's process model and CPU binding its own way unless told.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     return env
 
 
@@ -91,22 +135,29 @@ def http_ok(url: str) -> bool:
     return httpx.get(url, timeout=2).status_code == 200
 
 
-class Server:
-    def __init__(self, cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> None:
-        self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**peer_env(), **(extra_env or {})}
-        )
+class Server(Group):
+    """A target process in its own process group (bench/harness.py): `stop()` ends the whole
+    group and raises if any of it survives. `env` overrides peer_env(); a value of None
+    removes the variable."""
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    def __init__(
+        self, cmd: list[str], log: Path, extra_env: dict[str, str | None] | None = None
+    ) -> None:
+        env = peer_env()
+        for k, v in (extra_env or {}).items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        self.env = env
+        super().__init__(cmd, log, env)
+
+    def setup(self) -> dict[str, Any]:
+        """The flags and the relevant environment this target ran with."""
+        return {
+            "argv": [a for a in self.cmd if a != sys.executable],
+            "env": {k: self.env.get(k, "(unset)") for k in RELEVANT_ENV},
+        }
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -125,346 +176,556 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def start_streambatch(
-    args: argparse.Namespace, log: str, extra: Sequence[str] = ()
+    args: argparse.Namespace, log: str, extra: list[str] | tuple[str, ...] = ()
 ) -> tuple[Server, str]:
     """`streambatch serve` on a free loopback port with the engine arguments every target
     gets; returns once it reports SERVING."""
     port = free_port()
     target = f"127.0.0.1:{port}"
+    prefix = ["--enable-prefix-caching", "true"] if getattr(args, "prefix_caching", False) else []
     server = Server(
         [
             sys.executable, "-m", "pyserver.cli", "serve", "--model", args.model,
-            "--port", str(port), *engine_flags(args), "--metrics-port", "-1",
+            "--port", str(port), *engine_flags(args), *prefix, "--metrics-port", "-1",
             "--queue-capacity", "4096", "--log-level", "WARNING", *extra,
         ],
         RESULTS / log,
     )  # fmt: skip
     try:
         wait_until(lambda: grpc_serving(target), server.proc, "streambatch")
+        server.note_children()
     except BaseException:
         server.stop()
         raise
     return server, target
 
 
-def run_streambatch(args: argparse.Namespace, texts: list[str]) -> Sweep:
-    server, target = start_streambatch(args, "streambatch.log")
-    try:
-
-        async def go() -> Sweep:
-            async with grpc.aio.insecure_channel(target) as channel:
-                stub = pb_grpc.GenerationStub(channel)
-
-                async def send(text: str) -> Sample:
-                    return await one(stub, generate_request(text, args.max_tokens, chat=False), 600)
-
-                return await sweep(send, texts, args, "streambatch")
-
-        return asyncio.run(go())
-    finally:
-        server.stop()
+# ---------------------------------------------------------------------------------------------
+# Workloads
 
 
-def run_vllm_openai(args: argparse.Namespace, texts: list[str]) -> Sweep:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    server = Server(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            args.model,
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            *engine_flags(args),
-            "--enforce-eager",
-            "--served-model-name",
-            "m",
-            "--no-enable-log-requests",
-        ],
-        RESULTS / "vllm_openai.log",
-    )
-    try:
-        wait_until(lambda: http_ok(f"{base}/health"), server.proc, "vllm_openai")
-
-        async def go() -> Sweep:
-            limits = httpx.Limits(max_connections=args.concurrency + 4)
-            async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
-
-                async def send(text: str) -> Sample:
-                    body = {
-                        "model": "m",
-                        "prompt": text,
-                        "max_tokens": args.max_tokens,
-                        "temperature": 0.0,
-                        "ignore_eos": True,
-                        "stream": True,
-                        "stream_options": {"include_usage": True},
-                    }
-                    start = time.perf_counter()
-                    first = last = 0.0
-                    tokens = 0
-                    gaps: list[float] = []
-                    async with client.stream("POST", "/v1/completions", json=body) as resp:
-                        resp.raise_for_status()
-                        async for line in resp.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            chunk = json.loads(line[6:])
-                            now = time.perf_counter()
-                            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                                if not first:
-                                    first = now
-                                else:
-                                    gaps.append(now - last)
-                                last = now
-                            if chunk.get("usage"):
-                                tokens = chunk["usage"]["completion_tokens"]
-                    return Sample(first - start, last - start, tokens, gaps)
-
-                return await sweep(send, texts, args, "vllm_openai")
-
-        return asyncio.run(go())
-    finally:
-        server.stop()
+@dataclass(frozen=True)
+class Item:
+    text: str  # chat-templated prompt, sent as raw text
+    ids: tuple[int, ...]  # its token ids (vllm_grpc takes ids only; lengths for the report)
+    max_tokens: int
+    ignore_eos: bool
 
 
-def run_vllm_grpc(args: argparse.Namespace, texts: list[str]) -> Sweep:
-    """vLLM's own gRPC launcher (smg-grpc-servicer). Its API takes and returns token ids only:
-    the client tokenizes (once, before timing) and counts tokens; detokenization is the
-    caller's job there, so it is left out of this target's timing, which favours it."""
-    from smg_grpc_proto import vllm_engine_pb2 as vpb
-    from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
-    from transformers import AutoTokenizer
+@dataclass
+class Workload:
+    name: str
+    headline: list[Item]  # warm-up + measured, the same in every round
+    sweep: dict[int, list[Item]] = field(default_factory=dict)  # level -> warm-up + measured
+    describe: str = ""
 
-    tok: Any = AutoTokenizer.from_pretrained(args.model)
-    ids = {t: tok(t, add_special_tokens=False)["input_ids"] for t in texts}
-    port = free_port()
-    target = f"127.0.0.1:{port}"
-    env = {
-        # Its warm-up holds health NOT_SERVING ~45 s and KV events cost ~10 %: both off, as a
-        # user tuning it for throughput would.
-        "SMG_VLLM_SERVICER_WARMUP": "off",
-        "SMG_VLLM_SERVICER_KV_EVENTS": "0",
+
+_TOPICS = [
+    "river", "mountain", "engine", "signal", "harbor", "lantern", "orbit", "garden", "copper",
+    "violet", "thunder", "meadow", "crystal", "falcon", "cipher", "ember", "glacier", "canyon",
+    "market", "library", "bridge", "comet", "forest", "compass", "island", "archive", "tower",
+]  # fmt: skip
+_ASKS = [
+    "Write a short story about",
+    "Explain in simple terms how these relate:",
+    "List facts about",
+    "Summarize what you know about",
+    "Write a poem about",
+    "Give advice about",
+]
+
+
+def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
+    def template(user: str, system: str | None = None) -> str:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": user}
+        ]
+        return str(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+
+    def item(text: str, max_tokens: int, ignore_eos: bool) -> Item:
+        ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
+        # Leave room in the context for the answer (chat's tail can reach the limit).
+        max_tokens = max(1, min(max_tokens, args.max_model_len - len(ids) - 1))
+        return Item(text, ids, max_tokens, ignore_eos)
+
+    levels = [c for c in args.sweep if c != args.concurrency]
+    n_head = args.warmup + args.requests
+    per_level = {
+        c: args.warmup + max(math.ceil(args.sweep_waves * c), args.sweep_min_requests)
+        for c in levels
     }
-    server = Server(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.launchers.grpc_server",
-            "--model",
-            args.model,
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            *engine_flags(args),
-            "--enforce-eager",
-        ],
-        RESULTS / "vllm_grpc.log",
-        extra_env=env,
+    total = n_head + sum(per_level.values())
+
+    def split(items: list[Item]) -> tuple[list[Item], dict[int, list[Item]]]:
+        head, rest = items[:n_head], items[n_head:]
+        sweep = {}
+        for c in levels:
+            sweep[c], rest = rest[: per_level[c]], rest[per_level[c] :]
+        return head, sweep
+
+    out: dict[str, Workload] = {}
+    fixed = [item(template(t), 64, True) for t in prompts(total, args.seed)]
+    out["fixed64"] = Workload("fixed64", *split(fixed), "8-120 topic words, 64 tokens, ignore_eos")
+
+    rng = np.random.default_rng(args.seed + 1)
+    pick = random.Random(args.seed + 1)
+    chat = []
+    for _ in range(total):
+        # Log-normal lengths: most prompts and answers short, a long tail (as chat traffic).
+        words = int(np.clip(rng.lognormal(np.log(30), 1.0), 3, 900))
+        out_len = int(np.clip(rng.lognormal(np.log(64), 0.9), 4, 768))
+        user = f"{pick.choice(_ASKS)} " + " ".join(pick.choice(_TOPICS) for _ in range(words))
+        chat.append(item(template(user), out_len, False))
+    out["chat"] = Workload(
+        "chat", *split(chat), "log-normal prompt (median 30 words) and max_tokens (median 64), EOS"
     )
-    try:
-        wait_until(lambda: grpc_serving(target), server.proc, "vllm_grpc")
 
-        async def go() -> Sweep:
-            async with grpc.aio.insecure_channel(target) as channel:
-                stub = vpb_grpc.VllmEngineStub(channel)
-                counter = iter(range(1 << 30))
-
-                async def send(text: str) -> Sample:
-                    req = vpb.GenerateRequest(
-                        request_id=f"r{next(counter)}",
-                        tokenized=vpb.TokenizedInput(input_ids=ids[text]),
-                        sampling_params=vpb.SamplingParams(
-                            temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True
-                        ),
-                        stream=True,
-                    )
-                    start = time.perf_counter()
-                    first = last = 0.0
-                    tokens = 0
-                    gaps: list[float] = []
-                    async for msg in stub.Generate(req, timeout=600):
-                        n = len(msg.chunk.token_ids) if msg.HasField("chunk") else 0
-                        if not n:
-                            continue
-                        now = time.perf_counter()
-                        if not first:
-                            first = now
-                        else:
-                            gaps.extend([(now - last) / n] * n)
-                        last = now
-                        tokens += n
-                    return Sample(first - start, last - start, tokens, gaps)
-
-                return await sweep(send, texts, args, "vllm_grpc")
-
-        return asyncio.run(go())
-    finally:
-        server.stop()
-
-
-def run_seed(args: argparse.Namespace, texts: list[str]) -> Sweep:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    server = Server(
-        [
-            sys.executable,
-            str(HERE / "peers" / "seed_fastapi.py"),
-            "--model",
-            args.model,
-            "--port",
-            str(port),
-            *engine_flags(args),
-        ],
-        RESULTS / "seed_fastapi.log",
+    doc_rng = random.Random(args.seed + 2)
+    sentences: list[str] = []
+    system = ""
+    while len(tok(system)["input_ids"]) < args.prefix_tokens:
+        a, b, c = (doc_rng.choice(_TOPICS) for _ in range(3))
+        sentences.append(f"Section {len(sentences) + 1}: the {a} near the {b} holds the {c}.")
+        system = "Answer questions about this document.\n\n" + " ".join(sentences)
+    shared = []
+    for i in range(total):
+        a, b = pick.choice(_TOPICS), pick.choice(_TOPICS)
+        user = f"Question {i}: what does the document say about the {a} and the {b}?"
+        shared.append(item(template(user, system), 64, True))
+    out["shared_prefix"] = Workload(
+        "shared_prefix",
+        *split(shared),
+        f"one {len(tok(system)['input_ids'])}-token system document, short questions, 64 tokens",
     )
-    try:
-        wait_until(lambda: http_ok(f"{base}/health"), server.proc, "seed_fastapi")
-
-        async def go() -> Sweep:
-            limits = httpx.Limits(max_connections=args.concurrency + 4)
-            async with httpx.AsyncClient(base_url=base, timeout=3600, limits=limits) as client:
-
-                async def send(text: str) -> Sample:
-                    start = time.perf_counter()
-                    resp = await client.post(
-                        "/generate",
-                        json={
-                            "prompt": text,
-                            "max_tokens": args.max_tokens,
-                            "temperature": 0.0,
-                            "top_p": 1.0,
-                            "ignore_eos": True,
-                        },
-                    )
-                    resp.raise_for_status()
-                    took = time.perf_counter() - start
-                    # No streaming: the first token reaches the client with the last.
-                    return Sample(took, took, int(resp.json()["tokens"]), [])
-
-                # The seed design serves one request at a time; fewer requests keep the run short
-                # and measure the same rate.
-                subset = texts[: args.warmup + args.seed_requests]
-                report = await closed_loop(
-                    send, subset, args.concurrency, args.warmup, "seed_fastapi"
-                )
-                return {args.concurrency: report}
-
-        return asyncio.run(go())
-    finally:
-        server.stop()
-
-
-Sweep = dict[int, Report]  # concurrency -> report
-
-
-async def sweep(send: Any, texts: list[str], args: argparse.Namespace, label: str) -> Sweep:
-    """Closed loop at each concurrency of --sweep, on one server start; fewer requests at lower
-    concurrency (the same number of waves), the first --warmup of each level not counted."""
-    out: Sweep = {}
-    for c in args.sweep:
-        n = max(2 * c, args.requests * c // args.concurrency)
-        out[c] = await closed_loop(send, texts[: n + args.warmup], c, args.warmup, f"{label} c={c}")
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Targets: how each is started and how a client sends one Item
+
+Send = Callable[[Item], Awaitable[Sample]]
+
+
+@dataclass
+class TargetSpec:
+    name: str
+    kind: str  # streambatch | vllm_openai | vllm_grpc | seed_fastapi | offline
+    env: dict[str, str | None] = field(default_factory=dict)
+    extra: list[str] = field(default_factory=list)
+    every_round: bool = True
+    workloads: tuple[str, ...] = WORKLOADS
+    headline_only: bool = False
+
+
+def target_specs(args: argparse.Namespace) -> list[TargetSpec]:
+    bind = cpu_list()
+    smg = {"SMG_VLLM_SERVICER_WARMUP": "off", "SMG_VLLM_SERVICER_KV_EVENTS": "0"}
+    known = {
+        "streambatch": TargetSpec("streambatch", "streambatch"),
+        "vllm_openai": TargetSpec(
+            "vllm_openai", "vllm_openai", env={"VLLM_CPU_OMP_THREADS_BIND": bind}
+        ),
+        "vllm_grpc": TargetSpec(
+            "vllm_grpc", "vllm_grpc", env={"VLLM_CPU_OMP_THREADS_BIND": bind, **smg}
+        ),
+        "vllm_openai_autobind": TargetSpec(
+            "vllm_openai_autobind",
+            "vllm_openai",
+            every_round=False,
+            workloads=("fixed64",),
+            headline_only=True,
+        ),
+        "vllm_grpc_autobind": TargetSpec(
+            "vllm_grpc_autobind",
+            "vllm_grpc",
+            env=dict(smg),
+            every_round=False,
+            workloads=("fixed64",),
+            headline_only=True,
+        ),
+        "seed_fastapi": TargetSpec(
+            "seed_fastapi",
+            "seed_fastapi",
+            every_round=False,
+            workloads=("fixed64",),
+            headline_only=True,
+        ),
+        "offline": TargetSpec(
+            "offline",
+            "offline",
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": bind},
+            every_round=False,
+            workloads=("fixed64",),
+            headline_only=True,
+        ),
+    }
+    out = []
+    for name in args.targets.split(","):
+        if name in known:
+            out.append(known[name])
+        elif name.startswith("streambatch+"):
+            flags = [f for part in name.split("+")[1:] for f in part.split("=", 1)]
+            out.append(TargetSpec(name, "streambatch", extra=flags))
+        else:
+            raise SystemExit(f"unknown target {name!r}")
+    return out
+
+
+def launch(spec: TargetSpec, args: argparse.Namespace) -> tuple[Server, str]:
+    """Start one target and wait until it serves; returns it and its address."""
+    port = free_port()
+    py = [sys.executable, "-m"]
+    common = ["--model", args.model, "--port", str(port), *engine_flags(args)]
+    log = RESULTS / f"{spec.name.replace('+', '_')}.log"
+    if spec.kind == "streambatch":
+        cmd = [
+            *py, "pyserver.cli", "serve", *common, "--enable-prefix-caching", "true",
+            "--kv-cache-gib", str(args.kv_cache_gib), "--metrics-port", "-1",
+            "--queue-capacity", "4096", "--log-level", "WARNING", *spec.extra,
+        ]  # fmt: skip
+    elif spec.kind in ("vllm_openai", "vllm_grpc"):
+        module = {
+            "vllm_openai": "vllm.entrypoints.openai.api_server",
+            "vllm_grpc": "vllm.entrypoints.launchers.grpc_server",
+        }[spec.kind]
+        cmd = [
+            *py, module, *common, "--host", "127.0.0.1", "--enforce-eager",
+            "--enable-prefix-caching", *spec.extra,
+        ]  # fmt: skip
+        if spec.kind == "vllm_openai":
+            cmd += ["--served-model-name", "m", "--no-enable-log-requests"]
+    elif spec.kind == "seed_fastapi":
+        cmd = [sys.executable, str(HERE / "peers" / "seed_fastapi.py"), *common]
+    else:
+        raise ValueError(spec.kind)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), **spec.env}
+    server = Server(cmd, log, extra_env=env)
+    try:
+        if spec.kind in ("streambatch", "vllm_grpc"):
+            addr = f"127.0.0.1:{port}"
+            wait_until(lambda: grpc_serving(addr), server.proc, spec.name)
+        else:
+            addr = f"http://127.0.0.1:{port}"
+            wait_until(lambda: http_ok(f"{addr}/health"), server.proc, spec.name)
+        server.note_children()
+    except BaseException:
+        server.stop()
+        raise
+    return server, addr
+
+
+class Client:
+    """One connection set to a started target; `send` runs one request to completion."""
+
+    def __init__(self, kind: str, addr: str, max_conc: int) -> None:
+        self.kind = kind
+        self.addr = addr
+        self.max_conc = max_conc
+        self._n = 0
+
+    async def __aenter__(self) -> Client:
+        if self.kind in ("streambatch", "vllm_grpc"):
+            self.channel = grpc.aio.insecure_channel(self.addr)
+        else:
+            limits = httpx.Limits(max_connections=self.max_conc + 8)
+            self.http = httpx.AsyncClient(base_url=self.addr, timeout=3600, limits=limits)
+        if self.kind == "vllm_grpc":
+            from smg_grpc_proto import vllm_engine_pb2 as vpb
+            from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+
+            self.vpb: Any = vpb
+            self.vstub: Any = vpb_grpc.VllmEngineStub(self.channel)
+        elif self.kind == "streambatch":
+            self.stub = pb_grpc.GenerationStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.kind in ("streambatch", "vllm_grpc"):
+            await self.channel.close()
+        else:
+            await self.http.aclose()
+
+    @property
+    def streaming(self) -> bool:
+        return self.kind != "seed_fastapi"
+
+    async def send(self, item: Item) -> Sample:
+        return await getattr(self, "_" + self.kind)(item)
+
+    async def _streambatch(self, item: Item) -> Sample:
+        req = generate_request(item.text, item.max_tokens, chat=False)
+        req.sampling.ignore_eos = item.ignore_eos
+        return await one(self.stub, req, 3600)
+
+    async def _vllm_openai(self, item: Item) -> Sample:
+        body = {
+            "model": "m",
+            "prompt": item.text,
+            "max_tokens": item.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": item.ignore_eos,
+            "stream": True,
+            # Each chunk's own token ids: the token count per chunk, not per SSE event.
+            "return_token_ids": True,
+        }
+        clock = TokenClock()
+        async with self.http.stream("POST", "/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices") or ():
+                    clock.add(len(choice.get("token_ids") or ()))
+        return clock.sample()
+
+    async def _vllm_grpc(self, item: Item) -> Sample:
+        # Token ids in and out: tokenizing and detokenizing are the caller's job there and are
+        # left out of this target's timing, which favours it.
+        vpb = self.vpb
+        self._n += 1
+        req = vpb.GenerateRequest(
+            request_id=f"r{self._n}",
+            tokenized=vpb.TokenizedInput(input_ids=list(item.ids)),
+            sampling_params=vpb.SamplingParams(
+                temperature=0.0, max_tokens=item.max_tokens, ignore_eos=item.ignore_eos
+            ),
+            stream=True,
+        )
+        clock = TokenClock()
+        async for msg in self.vstub.Generate(req, timeout=3600):
+            if msg.HasField("chunk"):
+                clock.add(len(msg.chunk.token_ids))
+        return clock.sample()
+
+    async def _seed_fastapi(self, item: Item) -> Sample:
+        clock = TokenClock()
+        resp = await self.http.post(
+            "/generate",
+            json={
+                "prompt": item.text,
+                "max_tokens": item.max_tokens,
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "ignore_eos": item.ignore_eos,
+            },
+        )
+        resp.raise_for_status()
+        clock.add(int(resp.json()["tokens"]))  # no streaming: every token arrives at the end
+        return clock.sample()
+
+
+async def run_level(client: Client, items: list[Item], c: int, warmup: int, label: str) -> Report:
+    report = await closed_loop(client.send, items, c, warmup, label)
+    report.streaming = client.streaming
+    return report
+
+
+def run_target(
+    spec: TargetSpec, args: argparse.Namespace, loads: dict[str, Workload], sweep: bool
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """One start of one target: every workload at the headline level (and the sweep levels if
+    `sweep`). Returns {workload: {level: summary}} and the target's setup."""
+    if spec.kind == "offline":
+        return run_offline(spec, args, loads["fixed64"])
+    server, addr = launch(spec, args)
+    try:
+
+        async def go() -> dict[str, dict[str, Any]]:
+            out: dict[str, dict[str, Any]] = {}
+            async with Client(spec.kind, addr, max(args.sweep)) as client:
+                for name in spec.workloads:
+                    w = loads[name]
+                    head = w.headline
+                    if spec.kind == "seed_fastapi":  # one request at a time: a few suffice
+                        head = head[: args.warmup + args.seed_requests]
+                    levels = {
+                        args.concurrency: await run_level(
+                            client, head, args.concurrency, args.warmup,
+                            f"{spec.name} {name} c={args.concurrency}",
+                        )
+                    }  # fmt: skip
+                    if sweep and not spec.headline_only:
+                        for c, items in w.sweep.items():
+                            label = f"{spec.name} {name} c={c}"
+                            levels[c] = await run_level(client, items, c, args.warmup, label)
+                    out[name] = {str(c): r.summary() for c, r in sorted(levels.items())}
+            return out
+
+        result = asyncio.run(go())
+    finally:
+        server.stop()
+    return result, server.setup()
+
+
 def run_offline(
-    args: argparse.Namespace, texts: list[str], inproc: bool = True, thread: str = "engine"
-) -> dict[str, Any]:
-    """inproc: the engine core in the calling process, streambatch's process model, so this is
-    the ceiling streambatch can reach; otherwise vLLM's default (engine core in a child).
-    thread: "engine" steps it on a thread of its own, as streambatch does; "main" on the main
-    thread (bench/peers/offline.py says why they differ)."""
+    spec: TargetSpec, args: argparse.Namespace, w: Workload
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """vllm.LLM.generate over the fixed64 headline prompts at once: the engine's ceiling (no
+    TTFT: everything arrives together)."""
     path = RESULTS / "prompts.json"
-    path.write_text(json.dumps(texts[args.warmup :]))
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "peers" / "offline.py"),
-            "--model",
-            args.model,
-            "--prompts",
-            str(path),
-            "--max-tokens",
-            str(args.max_tokens),
-            "--thread",
-            thread,
-            *engine_flags(args),
-        ],
-        capture_output=True,
-        text=True,
-        env={**peer_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inproc else "1"},
-        check=True,
-    )
-    # vLLM logs to stdout too; the result is the line the script marks.
-    line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("RESULT "))
-    return dict(json.loads(line.removeprefix("RESULT ")))
+    path.write_text(json.dumps([i.text for i in w.headline[args.warmup :]]))
+    log = RESULTS / "offline.log"
+    cmd = [
+        sys.executable, str(HERE / "peers" / "offline.py"), "--model", args.model,
+        "--prompts", str(path), "--max-tokens", "64", "--thread", "engine", *engine_flags(args),
+    ]  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), **spec.env}
+    server = Server(cmd, log, extra_env=env)
+    try:
+        rc = server.proc.wait(1800)
+    finally:
+        server.stop()
+    text = log.read_text(errors="replace")
+    lines = [x for x in text.splitlines() if x.startswith("RESULT ")]
+    if rc or not lines:
+        raise RuntimeError(f"offline exited {rc}; see {log}")
+    summary = json.loads(lines[-1].removeprefix("RESULT "))
+    return {"fixed64": {str(args.concurrency): summary}}, server.setup()
 
 
-def templated(texts: list[str], model: str) -> list[str]:
-    from transformers import AutoTokenizer
+# ---------------------------------------------------------------------------------------------
+# Aggregation and reports
 
-    tok: Any = AutoTokenizer.from_pretrained(model)
-    return [
-        str(
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+_MEDIAN_KEYS = (
+    "output_tok_s", "requests_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms",
+    "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "client_cpu_pct", "output_tokens",
+)  # fmt: skip
+
+
+def aggregate(per_round: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds, with the spread of throughput and TTFT p99."""
+    ok = [r for r in per_round if "output_tok_s" in r]
+    out: dict[str, Any] = {"rounds": len(ok)}
+    for k in _MEDIAN_KEYS:
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        out[k] = round(float(np.median(vals)), 1) if vals else None
+    for k in ("output_tok_s", "ttft_p99_ms"):
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        if vals:
+            out[f"{k}_min"], out[f"{k}_max"] = min(vals), max(vals)
+    errors: dict[str, int] = {}
+    for r in per_round:
+        for k, v in (r.get("errors") or {}).items():
+            errors[k] = errors.get(k, 0) + v
+        if "error" in r:
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    out["errors"] = errors
+    return out
+
+
+def paired_ratio(sb: list[dict[str, Any]], other: list[dict[str, Any]]) -> float | None:
+    """Median of streambatch/target tok/s over the rounds both ran (same round: same noise)."""
+    pairs = [
+        a["output_tok_s"] / b["output_tok_s"]
+        for a, b in zip(sb, other, strict=False)
+        if a.get("output_tok_s") and b.get("output_tok_s")
+    ]
+    return round(float(np.median(pairs)), 3) if pairs else None
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.1f}" if v < 10000 else f"{v:,.0f}"
+    return str(v)
+
+
+def tables(result: dict[str, Any]) -> str:
+    out = []
+    for name, w in result["workloads"].items():
+        out.append(f"### {name} — c={w['concurrency']} ({w['describe']})\n")
+        out.append(
+            "| target | rounds | output tok/s median (min-max) | streambatch ÷ target "
+            "| TTFT p50 / p99 ms | ITL p50 / p99 ms | e2e p50 / p99 ms | client CPU % | errors |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for t, r in w["targets"].items():
+            if "output_tok_s" not in r or r["output_tok_s"] is None:
+                out.append(f"| {t} | 0 | failed: {r.get('errors')} | | | | | | |")
+                continue
+            spread = (
+                f"{fmt(r['output_tok_s'])} ({fmt(r.get('output_tok_s_min'))}-"
+                f"{fmt(r.get('output_tok_s_max'))})"
             )
-        )
-        for t in texts
-    ]
+            out.append(
+                f"| {t} | {r['rounds']} | {spread} | {fmt(r.get('streambatch_ratio'))} "
+                f"| {fmt(r.get('ttft_p50_ms'))} / {fmt(r.get('ttft_p99_ms'))} "
+                f"| {fmt(r.get('itl_p50_ms'))} / {fmt(r.get('itl_p99_ms'))} "
+                f"| {fmt(r.get('e2e_p50_ms'))} / {fmt(r.get('e2e_p99_ms'))} "
+                f"| {fmt(r.get('client_cpu_pct'))} | {r.get('errors') or ''} |"
+            )
+        if w.get("sweep"):
+            levels = sorted({int(c) for s in w["sweep"].values() for c in s})
+            out.append(
+                f"\nSweep (output tok/s, TTFT p99 ms; c={w['concurrency']} is the median "
+                "above, the other levels one run each):\n"
+            )
+            out.append("| target | " + " | ".join(f"c={c}" for c in levels) + " |")
+            out.append("|---|" + "---|" * len(levels))
+            for t, s in w["sweep"].items():
+                cells = []
+                for c in levels:
+                    p = s.get(str(c), {})
+                    cells.append(
+                        f"{fmt(p.get('output_tok_s'))} / {fmt(p.get('ttft_p99_ms'))}"
+                        if p.get("output_tok_s")
+                        else "-"
+                    )
+                out.append(f"| {t} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
-def table(results: dict[str, dict[str, Any]]) -> str:
-    sb = results.get("streambatch", {})
-    rows = [
-        "| target | output tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | e2e p50/p99 ms "
-        "| streambatch ÷ target (tok/s) | errors |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        ratio = (sb.get("output_tok_s", 0) / r["output_tok_s"]) if r.get("output_tok_s") else 0
-        rows.append(
-            f"| {name} | {r.get('output_tok_s', '')} | {r.get('requests_s', '')} "
-            f"| {r.get('ttft_p50_ms', '-')} / {r.get('ttft_p99_ms', '-')} "
-            f"| {r.get('itl_p50_ms', '-')} / {r.get('itl_p99_ms', '-')} "
-            f"| {r.get('e2e_p50_ms', '-')} / {r.get('e2e_p99_ms', '-')} | {ratio:.2f} "
-            f"| {r.get('errors', {}) or ''} |"
-        )
-    return "\n".join(rows)
-
-
-def plot(results: dict[str, dict[str, Any]], folder: Path) -> None:
-    """Output tokens/s and p99 TTFT against closed-loop concurrency, one line per target; the
-    offline ceilings as horizontal lines on the throughput plot."""
+def plot(result: dict[str, Any], folder: Path) -> None:
+    """Per workload: output tokens/s and p99 TTFT against concurrency, one line per target."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, r in results.items():
-        if "sweep" in r:
-            levels = sorted(int(c) for c in r["sweep"])
-            pts = [r["sweep"][c] for c in levels]
-            tput.plot(levels, [p.get("output_tok_s", 0) for p in pts], marker="o", label=name)
-            ttft.plot(levels, [p.get("ttft_p99_ms", 0) for p in pts], marker="o", label=name)
-        elif "output_tok_s" in r:
-            tput.axhline(r["output_tok_s"], linestyle="--", linewidth=1, label=f"{name} (ceiling)")
-    tput.set(xlabel="concurrent streams", ylabel="output tokens/s", title="Throughput")
-    ttft.set(xlabel="concurrent streams", ylabel="ms", title="p99 time to first token")
-    ttft.set_yscale("log")
-    for ax in (tput, ttft):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    names = list(result["workloads"])
+    fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.6 * len(names)), squeeze=False)
+    for row, name in zip(axes, names, strict=True):
+        w = result["workloads"][name]
+        tput, ttft = row
+        for t, s in w.get("sweep", {}).items():
+            levels = sorted(int(c) for c in s if s[c].get("output_tok_s"))
+            if len(levels) < 2:
+                continue
+            tput.plot(levels, [s[str(c)]["output_tok_s"] for c in levels], marker="o", label=t)
+            ttft.plot(levels, [s[str(c)]["ttft_p99_ms"] for c in levels], marker="o", label=t)
+        for t, r in w["targets"].items():
+            if t == "offline" and r.get("output_tok_s"):
+                tput.axhline(r["output_tok_s"], linestyle="--", linewidth=1, label="offline")
+        tput.set(xlabel="concurrent streams", ylabel="output tokens/s", title=f"{name}: throughput")
+        ttft.set(xlabel="concurrent streams", ylabel="ms", title=f"{name}: p99 TTFT")
+        for ax in (tput, ttft):
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        ttft.set_yscale("log")
     fig.tight_layout()
-    fig.savefig(folder / "compare.png", dpi=110)
+    fig.savefig(folder / "compare.png", dpi=100)
     plt.close(fig)
+
+
+def host() -> dict[str, Any]:
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "usable_cores": cpu_list(),
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    }
 
 
 def main() -> None:
@@ -473,29 +734,47 @@ def main() -> None:
     )
     p.add_argument("--model", default="")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=32, help="the headline level")
     p.add_argument(
         "--sweep",
         type=lambda t: sorted({int(x) for x in t.split(",")}),
-        default=[4, 16, 32],
-        help="closed-loop concurrency levels per server target (plots); must include --concurrency",
+        default=[1, 4, 16, 32, 64, 128],
+        help="closed-loop levels for the plots (round 1 only, besides the headline)",
     )
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument(
+        "--requests", type=int, default=64, help="measured requests at the headline (2 waves)"
+    )
+    p.add_argument(
+        "--sweep-waves",
+        type=float,
+        default=1.0,
+        help="sweep: max(this x level, --sweep-min-requests) measured requests per level",
+    )
+    p.add_argument("--sweep-min-requests", type=int, default=4)
     p.add_argument("--seed-requests", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--prefix-tokens", type=int, default=1500, help="shared_prefix document size")
+    p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=0, help="per-step token budget (0: vLLM's)"
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="per-step token budget, explicit for all (vLLM's default differs per entry point)",
     )
+    p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument(
-        "--targets", default="streambatch,vllm_openai,vllm_grpc,seed_fastapi,offline,offline_main"
+        "--targets",
+        default="streambatch,vllm_openai,vllm_grpc,vllm_openai_autobind,vllm_grpc_autobind,"
+        "seed_fastapi,offline",
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=str(RESULTS), help="folder for compare.json/md/png")
     args = p.parse_args()
     if args.concurrency not in args.sweep:
-        p.error("--sweep must include --concurrency")
+        args.sweep = sorted({*args.sweep, args.concurrency})
     if not args.model:
         from pyserver.model import pull_default_model
 
@@ -504,42 +783,93 @@ def main() -> None:
         from pyserver.engine.worker import resolve_dtype
 
         args.dtype = resolve_dtype("auto").replace("auto", "bfloat16")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(exist_ok=True)
-    texts = templated(prompts(args.requests + args.warmup, args.seed), args.model)
-    runners: dict[str, Callable[[argparse.Namespace, list[str]], Any]] = {
-        "streambatch": run_streambatch,
-        "vllm_openai": run_vllm_openai,
-        "vllm_grpc": run_vllm_grpc,
-        "seed_fastapi": run_seed,
-        "offline": run_offline,
-        "offline_main": functools.partial(run_offline, thread="main"),
-        "offline_mp": functools.partial(run_offline, inproc=False),
-    }
-    results: dict[str, dict[str, Any]] = {}
-    for name in args.targets.split(","):
-        started = time.monotonic()
-        print(f"== {name}", file=sys.stderr, flush=True)
-        try:
-            out = runners[name](args, texts)
-            if isinstance(out, dict) and all(isinstance(r, Report) for r in out.values()):
-                levels = {c: r.summary() for c, r in sorted(out.items())}
-                # The headline is the run at --concurrency; the sweep feeds the plots.
-                results[name] = {**levels[args.concurrency], "sweep": levels}
-            else:
-                results[name] = out
-        except Exception as err:  # a peer that cannot run is reported, not hidden
-            results[name] = {"error": f"{type(err).__name__}: {err}"}
-        print(
-            f"   {results[name]} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True
-        )
-    config = {k: v for k, v in vars(args).items() if k != "targets"}
-    (RESULTS / "compare.json").write_text(
-        json.dumps({"config": config, "targets": results}, indent=2)
-    )
-    (RESULTS / "compare.md").write_text(table(results) + "\n")
-    plot(results, RESULTS)
-    print(table(results), file=sys.stderr)
-    print(json.dumps({"targets": results}))
+    from transformers import AutoTokenizer
+
+    tok: Any = AutoTokenizer.from_pretrained(args.model)
+    wanted = [w for w in args.workloads.split(",") if w]
+    loads = {k: v for k, v in build_workloads(args, tok).items() if k in wanted}
+    specs = target_specs(args)
+    for s in specs:
+        s.workloads = tuple(w for w in s.workloads if w in loads)
+
+    started = time.monotonic()
+    # raw[target][workload][level] = one summary per round that ran it
+    raw: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
+    setups: dict[str, Any] = {}
+    plan = []
+    for r in range(args.rounds):
+        order = [s for s in specs if s.every_round or r == 0]
+        random.Random(args.seed * 1000 + r).shuffle(order)
+        plan.append(order)
+    bar = tqdm(total=sum(len(o) for o in plan), desc="target starts", file=sys.stderr)
+    for r, order in enumerate(plan):
+        for spec in order:
+            bar.set_postfix_str(f"round {r + 1} {spec.name}")
+            t0 = time.monotonic()
+            try:
+                got, setups[spec.name] = run_target(spec, args, loads, sweep=(r == 0))
+            except SurvivorError:
+                # Not a peer failure: it ends the bench (the next target would share its cores).
+                raise
+            except Exception as err:  # a peer that cannot run is reported, not hidden
+                got = {w: {str(args.concurrency): {"error": f"{type(err).__name__}: {err}"}}
+                       for w in spec.workloads}  # fmt: skip
+            for w, levels in got.items():
+                for c, summary in levels.items():
+                    raw.setdefault(spec.name, {}).setdefault(w, {}).setdefault(c, []).append(
+                        summary
+                    )
+            head = {w: got[w].get(str(args.concurrency), {}).get("output_tok_s") for w in got}
+            tqdm.write(
+                f"round {r + 1} {spec.name}: tok/s {head} ({time.monotonic() - t0:.0f} s)",
+                file=sys.stderr,
+            )
+            bar.update()
+    bar.close()
+
+    c_head = str(args.concurrency)
+    result: dict[str, Any] = {"rounds": args.rounds, "workloads": {}}
+    for w in loads:
+        targets: dict[str, Any] = {}
+        sweeps: dict[str, Any] = {}
+        sb_rounds = raw.get("streambatch", {}).get(w, {}).get(c_head, [])
+        for spec in specs:
+            levels = raw.get(spec.name, {}).get(w)
+            if not levels:
+                continue
+            agg = aggregate(levels.get(c_head, []))
+            agg["streambatch_ratio"] = paired_ratio(sb_rounds, levels.get(c_head, []))
+            agg["setup"] = setups.get(spec.name, {})
+            agg["per_round_output_tok_s"] = [x.get("output_tok_s") for x in levels.get(c_head, [])]
+            targets[spec.name] = agg
+            if len(levels) > 1:
+                slim = {k: agg[k] for k in _MEDIAN_KEYS if k in agg}
+                sweeps[spec.name] = {
+                    c: (slim if c == c_head else levels[c][0]) for c in sorted(levels, key=int)
+                }
+        prompt_lens = [len(i.ids) for i in loads[w].headline]
+        result["workloads"][w] = {
+            "concurrency": args.concurrency,
+            "describe": loads[w].describe,
+            "prompt_tokens_p50_p99": [
+                int(np.percentile(prompt_lens, 50)), int(np.percentile(prompt_lens, 99))
+            ],
+            "targets": targets,
+            "sweep": sweeps,
+        }  # fmt: skip
+    result["elapsed_s"] = round(time.monotonic() - started)
+    result["host"] = host()
+    result["config"] = {k: v for k, v in vars(args).items() if k not in ("targets", "out")}
+    result["order"] = [[s.name for s in o] for o in plan]
+    (out_dir / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = tables(result)
+    (out_dir / "compare.md").write_text(md)
+    plot(result, out_dir)
+    print(md, file=sys.stderr)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
