@@ -9,7 +9,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_HOST_IP ?= 127.0.0.1
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing bench-priority bench-batching bench-step profile soak clean
+.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing bench-priority bench-goodput bench-batching bench-step profile soak clean
 
 # Third-party dependencies: reinstalled only when pyproject.toml changes.
 $(VENV)/.deps-stamp: pyproject.toml
@@ -67,6 +67,11 @@ bench: model
 # Priority, deadlines and the latency controller under 2x overload; last line JSON.
 bench-priority: model
 	$(PY) bench/priority.py
+
+# Goodput against offered load (0.5x-3x capacity), streambatch vs vLLM's priority scheduler,
+# seeded open-loop traces; last line JSON, bench/results/goodput.{json,png}.
+bench-goodput: model
+	$(PY) bench/goodput.py
 
 # Batch window, max wait and length buckets against release-on-arrival, open loop; last line JSON.
 bench-batching: model

@@ -9,8 +9,13 @@ latency).
 
 Reported from run (1): TTFT p99 of high and of low requests; from both: ITL p99 and completed
 output tokens/s; `admitted_then_missed_deadline` counts calls that started generating and then
-ended DEADLINE_EXCEEDED (the failure deadline-aware admission exists to prevent). Last stdout
-line: one JSON object.
+ended DEADLINE_EXCEEDED. Last stdout line: one JSON object.
+
+This bench describes the scheduling mechanisms (priority ordering, the latency controller); it
+is not the judge of overload behaviour. Its old bounds (high TTFT p99 within 2x the unloaded
+one, no admitted call missing its deadline) are retired: the second rewarded refusing calls
+that would have finished. `make bench-goodput` (bench/goodput.py) judges overload by what
+callers get, against vLLM's own priority scheduler.
 """
 
 from __future__ import annotations

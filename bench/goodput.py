@@ -1,0 +1,614 @@
+"""Overload that serves more: goodput against offered load, streambatch against vLLM's own
+priority scheduler, on open-loop traces drawn from a seed.
+
+Targets, one at a time on loopback, each started once and torn down as a process group:
+  streambatch         `streambatch serve` with its defaults (the flags a user gets)
+  vllm                vLLM's OpenAI server, `--scheduling-policy priority`, OpenMP bound over
+                      every usable core (VLLM_CPU_OMP_THREADS_BIND), the same engine arguments
+  streambatch_shadow  streambatch with `--deadline-admission shadow`: it predicts and records
+                      each refusal but serves the call, so the bench can count refusals that
+                      would have finished in time (the shadow run of the same trace)
+
+Per target: capacity first (closed loop at max-num-seqs streams over the trace's call mix, its
+own requests/s and output tok/s); then for each seed and load L in --loads the seed's trace at
+L x streambatch's capacity (the same arrivals for every target). A trace: Poisson arrivals plus
+bursts of high-priority calls; two classes (high: priority 1, `--high-share`; low: 0) each with
+a TTFT SLO; prompt lengths lognormal over 10-1,500 tokens; max_tokens lognormal over 16-512 with
+EOS allowed (greedy, so both servers see the same natural lengths); deadlines lognormal over
+6-60 s, and some calls with none (the client still gives up after --no-deadline-cap-s).
+
+Judged per call as a caller sees it: *good* = finished within its deadline and its class's TTFT
+SLO. Goodput = good calls / arrival window. Also reported: the deadline-only goodput (the
+TTFT SLO not applied), completion % per class, TTFT p50/p99 per class, output tok/s, refusals
+by reason, and from the shadow run: how many of the calls streambatch refused at that point of
+the trace finished in time when served (by trace index). Calibration: actual / predicted total
+time of every call streambatch finished (Timings.predicted_total_ms).
+
+Last stdout line: one JSON object; bench/results/goodput.json and goodput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from streambatch.v1 import generation_pb2 as pb
+from streambatch.v1 import generation_pb2_grpc as pb_grpc
+from tqdm import tqdm
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import Group, cpu_list  # noqa: E402
+
+RESULTS = HERE / "results"
+_WORDS = [
+    "river", "mountain", "engine", "signal", "harbor", "lantern", "orbit", "garden", "copper",
+    "violet", "thunder", "meadow", "crystal", "falcon", "cipher", "ember", "glacier", "canyon",
+    "market", "bridge", "winter", "island", "forest", "planet", "silver", "shadow", "anchor",
+]  # fmt: skip
+_QUESTIONS = [
+    "Summarize the notes above in one sentence.",
+    "Write a short story that uses these words.",
+    "List three facts suggested by these words.",
+    "What do these words have in common?",
+]
+
+
+# ---- traces ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    index: int
+    at_s: float  # send time from the start of the trace
+    priority: int  # 1 high, 0 low
+    prompt: str  # chat-templated raw text
+    max_tokens: int
+    deadline_s: float | None
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, lo: float, hi: float) -> float:
+    return min(hi, max(lo, median * math.exp(rng.gauss(0.0, sigma))))
+
+
+def build_prompts(n: int, seed: int, tokenizer: Any) -> list[tuple[str, int]]:
+    """n chat-templated prompts and their token counts, lognormal over 10-1,500 tokens
+    (median ~80): words cut to the drawn length in tokens, then templated."""
+    rng = random.Random(seed * 7919 + 1)
+    out = []
+    for _ in range(n):
+        target = int(_lognormal(rng, 80, 1.1, 10, 1500))
+        words = " ".join(rng.choice(_WORDS) for _ in range(target))
+        question = rng.choice(_QUESTIONS)
+        templated = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Notes: \n{question}"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        overhead = len(tokenizer.encode(templated, add_special_tokens=False))
+        ids = tokenizer.encode(words, add_special_tokens=False)[: max(1, target - overhead)]
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Notes: {tokenizer.decode(ids)}\n{question}"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        out.append((text, len(tokenizer.encode(text, add_special_tokens=False))))
+    return out
+
+
+def build_trace(seed: int, rate: float, duration_s: float, args: argparse.Namespace) -> list[Call]:
+    """Open-loop arrivals at `rate` calls/s on average: Poisson for (1 - burst share) of it,
+    bursts of `--burst-size` high-priority calls (Poisson burst times) for the rest."""
+    rng = random.Random(seed)
+    times: list[tuple[float, bool]] = []
+    base = rate * (1.0 - args.burst_share)
+    t = rng.expovariate(base)
+    while t < duration_s:
+        times.append((t, False))
+        t += rng.expovariate(base)
+    burst_rate = rate * args.burst_share / args.burst_size
+    t = rng.expovariate(burst_rate)
+    while t < duration_s:
+        times += [(t + 0.01 * k, True) for k in range(args.burst_size)]
+        t += rng.expovariate(burst_rate)
+    times.sort()
+    prompts = build_prompts(len(times), seed, args.tokenizer)
+    calls = []
+    for i, (at, burst) in enumerate(times):
+        high = burst or rng.random() < args.high_share
+        deadline = (
+            None if rng.random() < args.no_deadline_share else _lognormal(rng, 20, 0.6, 6, 60)
+        )
+        text, length = prompts[i]
+        # Every call fits the context: prompt + max_tokens <= max_model_len.
+        max_tokens = min(int(_lognormal(rng, 96, 0.8, 16, 512)), args.max_model_len - length - 8)
+        calls.append(Call(i, at, int(high), text, max_tokens, deadline))
+    return calls
+
+
+# ---- clients --------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    index: int
+    priority: int
+    deadline_s: float | None
+    code: str = "OK"  # OK or a gRPC status name / HTTP error
+    reason: str = ""  # why a refused call was refused (classified)
+    ttft_s: float | None = None
+    total_s: float | None = None
+    tokens: int = 0
+    predicted_s: float = 0.0  # streambatch's predicted total at submit
+    refusal_predicted: bool = False  # shadow: would have been refused
+
+
+def _reason(code: str, details: str) -> str:
+    if code == "DEADLINE_EXCEEDED" and "predicted to finish" in details:
+        return "predicted_late"
+    if code == "DEADLINE_EXCEEDED" and "predicted to wait" in details:
+        return "predicted_queue_timeout"
+    if code == "DEADLINE_EXCEEDED" and "queue released it" in details:
+        return "late_at_admission"
+    if code == "RESOURCE_EXHAUSTED":
+        return "queue_full"
+    return ""
+
+
+async def _streambatch_call(stub: Any, call: Call, cap_s: float) -> Outcome:
+    out = Outcome(call.index, call.priority, call.deadline_s)
+    req = pb.GenerateRequest(text=call.prompt, priority=call.priority)
+    req.sampling.max_tokens = call.max_tokens
+    req.sampling.temperature = 0.0
+    start = time.perf_counter()
+    try:
+        async for msg in stub.Generate(req, timeout=call.deadline_s or cap_s):
+            if msg.token_ids and out.ttft_s is None:
+                out.ttft_s = time.perf_counter() - start
+            out.tokens += len(msg.token_ids)
+            if msg.HasField("timings"):
+                out.predicted_s = msg.timings.predicted_total_ms / 1e3
+                out.refusal_predicted = msg.timings.refusal_predicted
+        out.total_s = time.perf_counter() - start
+    except grpc.aio.AioRpcError as err:
+        out.code = err.code().name
+        out.reason = _reason(out.code, err.details() or "")
+    return out
+
+
+async def _vllm_call(client: httpx.AsyncClient, call: Call, cap_s: float) -> Outcome:
+    """vLLM's OpenAI completions, streamed, with its `priority` (lower runs first). The client
+    gives up at the deadline like a gRPC caller (the server aborts a disconnected request)."""
+    out = Outcome(call.index, call.priority, call.deadline_s)
+    body = {
+        "model": "m",
+        "prompt": call.prompt,
+        "max_tokens": call.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "priority": 1 - call.priority,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    start = time.perf_counter()
+
+    async def go() -> None:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                out.code = f"HTTP_{resp.status_code}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or {}
+                tokens = int(usage.get("completion_tokens") or 0)
+                if tokens and out.ttft_s is None:
+                    out.ttft_s = time.perf_counter() - start
+                out.tokens = max(out.tokens, tokens)
+            out.total_s = time.perf_counter() - start
+
+    try:
+        await asyncio.wait_for(go(), timeout=call.deadline_s or cap_s)
+    except asyncio.TimeoutError:
+        out.code = "DEADLINE_EXCEEDED"
+    except httpx.HTTPError as err:
+        out.code = type(err).__name__
+    return out
+
+
+class Target:
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        self.name = name
+        self.args = args
+        self.port = _free_port()
+        self.setup: dict[str, Any] = {}
+        self.group: Group | None = None
+
+    def start(self) -> None:
+        a = self.args
+        env = dict(os.environ)
+        env.update(VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"):
+            env.pop(var, None)
+        engine = [
+            "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
+            "--max-model-len", str(a.max_model_len),
+        ]  # fmt: skip
+        if self.name.startswith("streambatch"):
+            cmd = [
+                str(Path(sys.executable).with_name("streambatch")), "serve",
+                "--model", a.model, "--port", str(self.port), "--metrics-port", "-1", *engine,
+            ]  # fmt: skip
+            if self.name == "streambatch_shadow":
+                cmd += ["--deadline-admission", "shadow"]
+        else:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list()
+            cmd = [
+                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", a.model, "--served-model-name", "m", "--port", str(self.port),
+                "--host", "127.0.0.1", "--scheduling-policy", "priority", "--enforce-eager",
+                "--enable-prefix-caching", *engine,
+            ]  # fmt: skip
+        keys = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")
+        self.setup = {"cmd": cmd[1:], "env": {k: env[k] for k in keys if k in env}}
+        log = RESULTS / f"goodput-{self.name}.log"
+        self.group = Group(cmd, log, env)
+        end = time.monotonic() + 600
+        while not self._ready():
+            if self.group.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"{self.name} did not start; see {log}")
+            time.sleep(1.0)
+        self.group.note_children()
+
+    def _ready(self) -> bool:
+        try:
+            if self.name.startswith("streambatch"):
+                with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
+                    resp = health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(), timeout=2
+                    )
+                    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200
+        except Exception:  # not listening yet
+            return False
+
+    def stop(self) -> None:
+        if self.group is not None:
+            self.group.stop()
+
+    async def run(self, calls: list[Call], label: str, closed_loop: int = 0) -> list[Outcome]:
+        """Open loop at the calls' send times, or (closed_loop > 0) that many workers taking
+        the calls in turn as fast as they finish."""
+        cap = self.args.no_deadline_cap_s
+        bar = tqdm(total=len(calls), desc=label, unit="call", file=sys.stderr, leave=False)
+        async with contextlib.AsyncExitStack() as stack:
+            if self.name.startswith("streambatch"):
+                ch = await stack.enter_async_context(
+                    grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+                )
+                stub = pb_grpc.GenerationStub(ch)
+
+                def send(c: Call) -> Any:
+                    return _streambatch_call(stub, c, cap)
+            else:
+                limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
+                client = await stack.enter_async_context(
+                    httpx.AsyncClient(
+                        base_url=f"http://127.0.0.1:{self.port}", timeout=None, limits=limits
+                    )
+                )
+
+                def send(c: Call) -> Any:
+                    return _vllm_call(client, c, cap)
+
+            async def tracked(c: Call) -> Outcome:
+                o: Outcome = await send(c)
+                bar.update(1)
+                return o
+
+            if closed_loop:
+                pending = list(reversed(calls))
+                done: list[Outcome] = []
+
+                async def worker() -> None:
+                    while pending:
+                        done.append(await tracked(pending.pop()))
+
+                await asyncio.gather(*(worker() for _ in range(closed_loop)))
+                bar.close()
+                return done
+            start = time.monotonic()
+            tasks = []
+            for c in calls:
+                await asyncio.sleep(max(0.0, start + c.at_s - time.monotonic()))
+                tasks.append(asyncio.create_task(tracked(c)))
+            result = list(await asyncio.gather(*tasks))
+            bar.close()
+            return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- judging --------------------------------------------------------------------------------
+
+
+def ttft_slo_s(priority: int, args: argparse.Namespace) -> float:
+    return args.high_ttft_slo_s if priority == 1 else args.low_ttft_slo_s
+
+
+def in_deadline(o: Outcome) -> bool:
+    if o.code != "OK" or o.total_s is None:
+        return False
+    return o.deadline_s is None or o.total_s <= o.deadline_s
+
+
+def good(o: Outcome, args: argparse.Namespace) -> bool:
+    return in_deadline(o) and o.ttft_s is not None and o.ttft_s <= ttft_slo_s(o.priority, args)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)) * 1e3, 1) if values else None
+
+
+def summarize(
+    outcomes: list[Outcome], window_s: float, args: argparse.Namespace, wall_s: float
+) -> dict[str, Any]:
+    by_class: dict[str, Any] = {}
+    for name, prio in (("high", 1), ("low", 0)):
+        mine = [o for o in outcomes if o.priority == prio]
+        ttft = [o.ttft_s for o in mine if o.ttft_s is not None]
+        by_class[name] = {
+            "sent": len(mine),
+            "finished_in_deadline_pct": round(
+                100 * sum(in_deadline(o) for o in mine) / max(1, len(mine)), 1
+            ),
+            "good_pct": round(100 * sum(good(o, args) for o in mine) / max(1, len(mine)), 1),
+            "ttft_p50_ms": _pct(ttft, 50),
+            "ttft_p99_ms": _pct(ttft, 99),
+        }
+    refused: dict[str, int] = {}
+    for o in outcomes:
+        if o.reason:
+            refused[o.reason] = refused.get(o.reason, 0) + 1
+    codes: dict[str, int] = {}
+    for o in outcomes:
+        codes[o.code] = codes.get(o.code, 0) + 1
+    return {
+        "goodput_req_s": round(sum(good(o, args) for o in outcomes) / window_s, 3),
+        "deadline_goodput_req_s": round(sum(in_deadline(o) for o in outcomes) / window_s, 3),
+        "high_served_pct": by_class["high"]["finished_in_deadline_pct"],
+        "high_ttft_p99_ms": by_class["high"]["ttft_p99_ms"],
+        "output_tok_s": round(sum(o.tokens for o in outcomes if o.code == "OK") / wall_s, 1),
+        "refused": refused,
+        "codes": codes,
+        "classes": by_class,
+    }
+
+
+def calibration(outcomes: list[Outcome]) -> list[float]:
+    return [
+        o.total_s / o.predicted_s
+        for o in outcomes
+        if o.code == "OK" and o.total_s and o.predicted_s > 0
+    ]
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+async def capacity(target: Target, args: argparse.Namespace) -> dict[str, float]:
+    """Closed loop at max-num-seqs streams over calls of the trace's mix (no deadlines)."""
+    mix = build_trace(args.capacity_seed, 8.0, args.capacity_calls / 8.0, args)
+    calls = [Call(c.index, 0.0, 0, c.prompt, c.max_tokens, None) for c in mix]
+    warm = calls[: args.max_num_seqs]
+    await target.run(warm, f"{target.name} warm-up", closed_loop=args.max_num_seqs)
+    start = time.monotonic()
+    out = await target.run(calls, f"{target.name} capacity", closed_loop=args.max_num_seqs)
+    wall = time.monotonic() - start
+    ok = [o for o in out if o.code == "OK"]
+    return {
+        "req_s": round(len(ok) / wall, 3),
+        "output_tok_s": round(sum(o.tokens for o in ok) / wall, 1),
+        "mean_output_tokens": round(float(np.mean([o.tokens for o in ok])), 1) if ok else 0.0,
+    }
+
+
+def run_target(
+    name: str, args: argparse.Namespace, rate_of: dict[float, float] | None
+) -> dict[str, Any]:
+    target = Target(name, args)
+    print(f"starting {name} ...", file=sys.stderr)
+    target.start()
+    try:
+        cap = asyncio.run(capacity(target, args))
+        print(f"{name} capacity: {cap}", file=sys.stderr)
+        rates = rate_of or {load: load * cap["req_s"] for load in args.loads}
+        points: dict[str, Any] = {}
+        for seed in args.seeds:
+            for load in args.loads:
+                calls = build_trace(seed, rates[load], args.duration, args)
+                start = time.monotonic()
+                out = asyncio.run(target.run(calls, f"{name} seed {seed} load {load}x"))
+                wall = time.monotonic() - start
+                summary = summarize(out, args.duration, args, wall)
+                print(f"{name} seed {seed} load {load}x: {summary}", file=sys.stderr)
+                points[f"{seed}/{load}"] = {"summary": summary, "outcomes": out}
+        return {"capacity": cap, "rates": rates, "points": points, "setup": target.setup}
+    finally:
+        target.stop()
+
+
+def plot(runs: list[dict[str, Any]], targets: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = sorted({r["seed"] for r in runs})
+    fig, axes = plt.subplots(1, len(seeds), figsize=(5.5 * len(seeds), 4), squeeze=False)
+    for ax, seed in zip(axes[0], seeds, strict=True):
+        for t in targets:
+            pts = sorted((r["load"], r[t]["goodput_req_s"]) for r in runs if r["seed"] == seed)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=t)
+        ax.set_title(f"seed {seed}")
+        ax.set_xlabel("offered load (x streambatch capacity)")
+        ax.set_ylabel("goodput (calls in deadline and TTFT SLO / s)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="")
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    p.add_argument(
+        "--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1, 1.5, 2, 3]
+    )
+    p.add_argument("--targets", default="streambatch,vllm,streambatch_shadow")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per point")
+    p.add_argument("--high-share", type=float, default=0.2)
+    p.add_argument("--burst-share", type=float, default=0.1, help="of the rate, in high bursts")
+    p.add_argument("--burst-size", type=int, default=5)
+    p.add_argument("--no-deadline-share", type=float, default=0.15)
+    p.add_argument("--no-deadline-cap-s", type=float, default=60.0, help="client gives up")
+    p.add_argument("--high-ttft-slo-s", type=float, default=2.0)
+    p.add_argument("--low-ttft-slo-s", type=float, default=10.0)
+    p.add_argument("--capacity-calls", type=int, default=96)
+    p.add_argument("--capacity-seed", type=int, default=1000)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
+    args = p.parse_args()
+    # A SIGTERM (timeout, CI) unwinds like Ctrl-C, so every started target is torn down.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if not args.model:
+        from pyserver.model import default_model_dir
+
+        args.model = str(default_model_dir())
+    from transformers import AutoTokenizer
+
+    args.tokenizer = AutoTokenizer.from_pretrained(args.model)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if targets[0] != "streambatch":
+        p.error("the first target must be streambatch: its capacity sets the offered loads")
+    RESULTS.mkdir(exist_ok=True)
+
+    results: dict[str, dict[str, Any]] = {}
+    rate_of: dict[float, float] | None = None
+    for name in targets:
+        results[name] = run_target(name, args, rate_of)
+        rate_of = results[name]["rates"]
+    cap = results["streambatch"]["capacity"]
+
+    runs = []
+    for seed in args.seeds:
+        for load in args.loads:
+            key = f"{seed}/{load}"
+            row: dict[str, Any] = {"seed": seed, "load": load, "rate_req_s": rate_of[load]}  # type: ignore[index]
+            for name in targets:
+                row[name] = results[name]["points"][key]["summary"]
+            if "streambatch_shadow" in results:
+                row["streambatch"]["refused_would_have_finished"] = _would_have_finished(
+                    results["streambatch"]["points"][key]["outcomes"],
+                    results["streambatch_shadow"]["points"][key]["outcomes"],
+                    args,
+                )
+            if "vllm" in results:
+                v, s = row["vllm"], row["streambatch"]
+                row["goodput_ratio_vs_vllm"] = (
+                    round(s["goodput_req_s"] / v["goodput_req_s"], 2)
+                    if v["goodput_req_s"]
+                    else None
+                )
+                row["output_tok_s_vs_own_capacity"] = {
+                    t: round(row[t]["output_tok_s"] / results[t]["capacity"]["output_tok_s"], 2)
+                    for t in ("streambatch", "vllm")
+                }
+            runs.append(row)
+
+    ratios = [
+        r
+        for key, pt in results["streambatch"]["points"].items()
+        for r in calibration(pt["outcomes"])
+    ]
+    refused = [
+        r["streambatch"]["refused_would_have_finished"]
+        for r in runs
+        if "refused_would_have_finished" in r["streambatch"]
+    ]
+    n_refused = sum(x["refused"] for x in refused)
+    n_would = sum(x["would_have_finished"] for x in refused)
+    report = {
+        "capacity_output_tok_s": cap["output_tok_s"],
+        "capacity_req_s": cap["req_s"],
+        "capacity": {t: results[t]["capacity"] for t in targets},
+        "calibration": {
+            "median_actual_over_predicted": round(float(np.median(ratios)), 3) if ratios else None,
+            "p10_p90_actual_over_predicted": (
+                [round(float(np.percentile(ratios, q)), 3) for q in (10, 90)] if ratios else None
+            ),
+            "finished_calls": len(ratios),
+            "refused_would_have_finished_pct": (
+                round(100 * n_would / n_refused, 1) if n_refused else 0.0
+            ),
+            "refused": n_refused,
+        },
+        "slo": {"high_ttft_s": args.high_ttft_slo_s, "low_ttft_s": args.low_ttft_slo_s},
+        "setup": {t: results[t]["setup"] for t in targets},
+        "args": {k: v for k, v in vars(args).items() if k not in ("tokenizer", "out", "model")},
+        "runs": runs,
+    }
+    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    raw = args.out.with_name(args.out.stem + "-calls.json")
+    raw.write_text(
+        json.dumps(
+            {
+                t: {
+                    k: [asdict(o) for o in pt["outcomes"]] for k, pt in results[t]["points"].items()
+                }
+                for t in targets
+            }
+        )
+    )
+    plot(runs, [t for t in targets if t != "streambatch_shadow"], args.out.with_suffix(".png"))
+    print(json.dumps(report, default=str))
+
+
+def _would_have_finished(
+    main_run: list[Outcome], shadow: list[Outcome], args: argparse.Namespace
+) -> dict[str, int]:
+    """Of the calls the admitting run refused, how many the shadow run (same trace, refusals
+    recorded, not acted on) finished within their deadline (the criterion refusals act on; the
+    TTFT SLO is not applied, so this counts every refusal a caller could have used)."""
+    served = {o.index: o for o in shadow}
+    refused = [o for o in main_run if o.reason.startswith(("predicted", "late"))]
+    would = sum(1 for o in refused if o.index in served and in_deadline(served[o.index]))
+    return {"refused": len(refused), "would_have_finished": would}
+
+
+if __name__ == "__main__":
+    main()
