@@ -112,7 +112,9 @@ class FinishTimePredictor:
         self._step = _Mean()
         self._first_token = _Mean()  # admitted -> first token
         self._lengths: deque[tuple[int, bool]] = deque(maxlen=WINDOW)  # (tokens, cut at max)
-        self.wait = Ratios(prior_low=0.0)
+        # Per priority level: a high call's wait (it preempts, it skips the queue) is a
+        # different distribution from a low call's; pooled, the quantile would fit neither.
+        self._wait: dict[int, Ratios] = {}
         # A fixed-length call (ignore_eos) runs its max_tokens steps: half the mean step time
         # is a safe floor before any are measured. An EOS call may stop after one token.
         self.service_fixed = Ratios(prior_low=0.5)
@@ -134,6 +136,7 @@ class FinishTimePredictor:
         self,
         predicted: Prediction,
         *,
+        priority: int,
         waited_s: float,
         served_s: float,
         fixed_length: bool,
@@ -141,7 +144,7 @@ class FinishTimePredictor:
         """Record one finished call's actual times against what was predicted at submit;
         returns actual / calibrated prediction (None when nothing was predicted)."""
         if predicted.wait_raw_s >= _MIN_WAIT_TO_CALIBRATE_S:
-            self.wait.add(waited_s / predicted.wait_raw_s)
+            self.wait(priority).add(waited_s / predicted.wait_raw_s)
         if predicted.service_raw_s > 0:
             (self.service_fixed if fixed_length else self.service_eos).add(
                 served_s / predicted.service_raw_s
@@ -150,6 +153,11 @@ class FinishTimePredictor:
         if raw > 0:
             self.total.add((waited_s + served_s) / raw)
         return (waited_s + served_s) / predicted.mean_s if predicted.mean_s > 0 else None
+
+    def wait(self, priority: int) -> Ratios:
+        if priority not in self._wait:
+            self._wait[priority] = Ratios(prior_low=0.0)
+        return self._wait[priority]
 
     # ---- the model ------------------------------------------------------------------------
 
@@ -168,9 +176,10 @@ class FinishTimePredictor:
         if fixed_length or not self._lengths:
             return float(max_tokens)
         total = 0
-        for tokens, cut in self._lengths:
+        lengths = tuple(self._lengths)  # one copy: the worker thread appends meanwhile
+        for tokens, cut in lengths:
             total += max_tokens if cut and tokens < max_tokens else min(tokens, max_tokens)
-        return max(1.0, total / len(self._lengths))
+        return max(1.0, total / len(lengths))
 
     def service_steps(self, expected_tokens: float) -> float:
         """Engine steps of a call once admitted, counting the first-token time as steps."""
@@ -178,13 +187,14 @@ class FinishTimePredictor:
         return max(1.0, first) + max(0.0, expected_tokens - 1.0)
 
     def wait_steps(
-        self, job: Job, running: Iterable[float], ahead: Iterable[Job], slots: int
+        self, job: Job, running: Sequence[float], ahead: Iterable[Job], slots: int
     ) -> float:
         """Steps until a slot frees for `job`: each of `slots` slots frees when its running
         request's remaining steps are done; queued requests of the same or higher priority
         take the freed slots first, in turn."""
         slots = max(1, slots)
-        free_at = sorted(running)[:slots]
+        # More running than slots (the limit just shrank): the extra ones must finish first.
+        free_at = sorted(running)[-slots:] if len(running) > slots else sorted(running)
         free_at += [0.0] * (slots - len(free_at))
         heapq.heapify(free_at)
         for other in ahead:
@@ -207,9 +217,10 @@ class FinishTimePredictor:
         wait_raw = self.wait_steps(job, running, ahead, slots) * step if queued else 0.0
         service_raw = job.steps * step
         service = self.service_fixed if fixed_length else self.service_eos
-        wait_lower = wait_raw * self.wait.low(self.confidence)
+        wait_ratios = self.wait(job.priority)
+        wait_lower = wait_raw * wait_ratios.low(self.confidence)
         service_lower = service_raw * service.low(self.confidence)
-        mean = wait_raw * self.wait.median() + service_raw * service.median()
+        mean = wait_raw * wait_ratios.median() + service_raw * service.median()
         return Prediction(
             wait_raw_s=wait_raw,
             service_raw_s=service_raw,

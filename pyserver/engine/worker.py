@@ -268,9 +268,10 @@ class EngineWorker:
             )
         self.deadline_admission = deadline_admission
         self.predictor = FinishTimePredictor(refusal_confidence)
-        # What the event loop's predictions read of the engine: the running handles and their
-        # expected remaining steps, replaced whole by the worker thread after each iteration.
-        self._running_view: tuple[frozenset[int], tuple[float, ...]] = (frozenset(), ())
+        # What the event loop's predictions read of the engine: the running handles, their
+        # expected remaining steps and how many are below the top level (preemptable), replaced
+        # whole by the worker thread after each iteration.
+        self._running_view: tuple[frozenset[int], tuple[float, ...], int] = (frozenset(), (), 0)
         # A fresh engine's first step carries one-time costs (216 ms against ~40 after it, on
         # 2 cores); timings that include it would skew the predictions for the next few dozen
         # steps. They count from the end of that step.
@@ -337,18 +338,27 @@ class EngineWorker:
         item.expected_tokens = p.expected_tokens(item.sampling.max_tokens, fixed)
         if not p.ready:
             return  # nothing measured yet: no prediction, no refusal
-        running, remaining = self._running_view
-        ahead = [
-            Job(it.priority, p.service_steps(it.expected_tokens))
+        running, remaining, below_top = self._running_view
+        queued = [
+            it
             for it in list(self._items.values())  # list(): one atomic copy under the GIL
             if it.handle not in running
         ]
+        # A top-priority call preempts a lower one at once when the engine is full: no wait
+        # unless the top-priority calls queued ahead of it take every preemptable slot.
+        preempts = (
+            item.priority == self._top_priority
+            and self._preempt_after_ns == 0
+            and below_top > sum(1 for it in queued if it.priority == item.priority)
+        )
+        ahead = [Job(it.priority, p.service_steps(it.expected_tokens)) for it in queued]
         pred = p.predict(
             Job(item.priority, p.service_steps(item.expected_tokens)),
             fixed_length=fixed,
             running=remaining,
             ahead=ahead,
             slots=self.concurrency_limit,
+            queued=not preempts,
         )
         item.prediction = pred
         now = time.monotonic_ns()
@@ -666,6 +676,7 @@ class EngineWorker:
             return
         ratio = self.predictor.observe_finish(
             item.prediction,
+            priority=item.priority,
             waited_s=(item.admitted_ns - item.accepted_ns) / 1e9,
             served_s=(now - item.admitted_ns) / 1e9,
             fixed_length=fixed,
@@ -677,7 +688,8 @@ class EngineWorker:
         expected = [
             max(1.0, it.expected_tokens - it.completion_tokens) for it in self._running.values()
         ]
-        self._running_view = (frozenset(self._running), tuple(expected))
+        below_top = sum(1 for it in self._running.values() if it.priority < self._top_priority)
+        self._running_view = (frozenset(self._running), tuple(expected), below_top)
 
     def _hold_lower_prefills(self) -> list[Any] | None:
         """While a top-priority request is prefilling, keep lower-priority requests that are

@@ -77,7 +77,11 @@ def test_a_predictor_that_runs_slow_learns_it_from_finished_calls() -> None:
         pred = p.predict(Job(0, 50), fixed_length=True, queued=False)
         # The call took 1.5x its raw prediction (e.g. the batch grew after it was admitted).
         ratio = p.observe_finish(
-            pred, waited_s=0.0, served_s=pred.service_raw_s * 1.5, fixed_length=True
+            pred,
+            priority=0,
+            waited_s=0.0,
+            served_s=pred.service_raw_s * 1.5,
+            fixed_length=True,
         )
         assert ratio is not None
     pred = p.predict(Job(0, 50), fixed_length=True, queued=False)
@@ -97,7 +101,7 @@ def test_refusal_bound_misses_at_most_the_stated_share() -> None:
 
     for _ in range(256):
         pred = p.predict(Job(0, 64), fixed_length=True, queued=False)
-        p.observe_finish(pred, waited_s=0.0, served_s=run(pred), fixed_length=True)
+        p.observe_finish(pred, priority=0, waited_s=0.0, served_s=run(pred), fixed_length=True)
     pred = p.predict(Job(0, 64), fixed_length=True, queued=False)
     faster = sum(run(pred) < pred.lower_s for _ in range(4000)) / 4000
     assert faster <= 0.08, faster
