@@ -35,6 +35,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import random
 import signal
 import sys
@@ -497,12 +498,12 @@ def main() -> None:
         "--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1, 1.5, 2, 3]
     )
     p.add_argument("--targets", default="streambatch,vllm,streambatch_shadow")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per point")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
     p.add_argument("--high-share", type=float, default=0.2)
     p.add_argument("--burst-share", type=float, default=0.1, help="of the rate, in high bursts")
     p.add_argument("--burst-size", type=int, default=5)
     p.add_argument("--no-deadline-share", type=float, default=0.15)
-    p.add_argument("--no-deadline-cap-s", type=float, default=60.0, help="client gives up")
+    p.add_argument("--no-deadline-cap-s", type=float, default=45.0, help="client gives up")
     p.add_argument("--high-ttft-slo-s", type=float, default=2.0)
     p.add_argument("--low-ttft-slo-s", type=float, default=10.0)
     p.add_argument("--capacity-calls", type=int, default=96)
@@ -532,6 +533,18 @@ def main() -> None:
     for name in targets:
         results[name] = run_target(name, args, rate_of)
         rate_of = results[name]["rates"]
+    # Kept before the report is built, so a failure there loses no measurement.
+    with open(args.out.with_name(args.out.stem + "-raw.pickle"), "wb") as f:
+        pickle.dump({"results": results, "targets": targets}, f)
+    report(results, targets, rate_of, args)
+
+
+def report(
+    results: dict[str, dict[str, Any]],
+    targets: list[str],
+    rate_of: dict[float, float] | None,
+    args: argparse.Namespace,
+) -> None:
     cap = results["streambatch"]["capacity"]
 
     runs = []
