@@ -383,7 +383,7 @@ class EngineWorker:
             item.refusal_predicted = True
         elif self.deadline_admission == "on":
             self._metrics.deadline_refusals.labels("submit").inc()
-            raise RequestError(ErrorKind.DEADLINE, reason, retry_after_ms=self.retry_after_ms())
+            raise RequestError(ErrorKind.DEADLINE, reason)
 
     def _late_at_admission(self, item: WorkItem, now: int) -> bool:
         """Released by the queue: would even the fastest plausible service miss the deadline?"""
