@@ -178,3 +178,20 @@ def test_the_worker_refuses_below_the_lower_bound_and_shadow_only_records() -> N
     w.deadline_admission = "shadow"
     w._predict(late := _item(3, 0, 200, 2.0), 0)
     assert late.refusal_predicted
+
+
+def test_kv_reservation_counts_a_prompt_block_that_a_running_request_holds_once() -> None:
+    w = EngineWorker.__new__(EngineWorker)
+    w._block_size, w._held_blocks, w._reserved_tokens, w._running = 4, {}, 0, {}
+    doc = list(range(100, 112))  # three full blocks of a shared document
+    a, b, c = _item(1, 0, 8, 60.0), _item(2, 0, 8, 60.0), _item(3, 0, 8, 60.0)
+    w._reserve(a, [*doc, 1, 2], 8)
+    w._reserve(b, [*doc, 3, 4, 5, 6], 8)  # the document's blocks are shared, its own is new
+    w._reserve(c, [0, *doc], 8)  # shifted by one token: no block matches
+    assert (a.reserved_tokens, b.reserved_tokens, c.reserved_tokens) == (14 + 8, 4 + 8, 13 + 8)
+    for h, item in ((1, a), (2, b), (3, c)):
+        w._running[h] = item
+    w._leave_engine(1)
+    w._leave_engine(2)
+    w._leave_engine(3)
+    assert w._held_blocks == {} and w._reserved_tokens == 0
