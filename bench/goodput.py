@@ -157,6 +157,7 @@ class Outcome:
     tokens: int = 0
     predicted_s: float = 0.0  # streambatch's predicted total at submit
     refusal_predicted: bool = False  # shadow: would have been refused
+    sent_at: float = 0.0  # time.perf_counter() when the call was sent
 
 
 def _reason(code: str, details: str) -> str:
@@ -176,7 +177,7 @@ async def _streambatch_call(stub: Any, call: Call, cap_s: float) -> Outcome:
     req = pb.GenerateRequest(text=call.prompt, priority=call.priority)
     req.sampling.max_tokens = call.max_tokens
     req.sampling.temperature = 0.0
-    start = time.perf_counter()
+    start = out.sent_at = time.perf_counter()
 
     async def go() -> None:
         # A call without a deadline sends none (the server must not learn the client's cap);
@@ -213,7 +214,7 @@ async def _vllm_call(client: httpx.AsyncClient, call: Call, cap_s: float) -> Out
         "priority": 1 - call.priority,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    start = time.perf_counter()
+    start = out.sent_at = time.perf_counter()
 
     async def go() -> None:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -428,19 +429,33 @@ def calibration(outcomes: list[Outcome]) -> list[float]:
 
 
 async def capacity(target: Target, args: argparse.Namespace) -> dict[str, float]:
-    """Closed loop at max-num-seqs streams over calls of the trace's mix (no deadlines)."""
+    """Closed loop at max-num-seqs streams over calls of the trace's mix (no deadlines),
+    measured while every stream is busy: from the first call to the last call sent. After that
+    the pool drains and the last, longest calls run a few at a time; counting that tail (as an
+    earlier version did) put capacity at ~0.7x of what the server sustains, so every "load"
+    was lighter than its label. A call that straddles the window's end counts pro rata."""
     mix = build_trace(args.capacity_seed, 8.0, args.capacity_calls / 8.0, args)
     calls = [Call(c.index, 0.0, 0, c.prompt, c.max_tokens, None) for c in mix]
     warm = calls[: args.max_num_seqs]
     await target.run(warm, f"{target.name} warm-up", closed_loop=args.max_num_seqs)
-    start = time.monotonic()
     out = await target.run(calls, f"{target.name} capacity", closed_loop=args.max_num_seqs)
-    wall = time.monotonic() - start
-    ok = [o for o in out if o.code == "OK"]
+    ok = [o for o in out if o.code == "OK" and o.total_s]
+    if not ok:
+        return {"req_s": 0.0, "output_tok_s": 0.0, "mean_output_tokens": 0.0, "window_s": 0.0}
+    start = min(o.sent_at for o in out)
+    end = max(o.sent_at for o in out)  # the last call sent: the pool was full until then
+    calls_in = tokens_in = 0.0
+    for o in ok:
+        done = o.sent_at + (o.total_s or 0.0)
+        share = max(0.0, min(done, end) - o.sent_at) / max(1e-9, done - o.sent_at)
+        calls_in += share
+        tokens_in += share * o.tokens
+    window = end - start
     return {
-        "req_s": round(len(ok) / wall, 3),
-        "output_tok_s": round(sum(o.tokens for o in ok) / wall, 1),
-        "mean_output_tokens": round(float(np.mean([o.tokens for o in ok])), 1) if ok else 0.0,
+        "req_s": round(calls_in / window, 3),
+        "output_tok_s": round(tokens_in / window, 1),
+        "mean_output_tokens": round(float(np.mean([o.tokens for o in ok])), 1),
+        "window_s": round(window, 1),
     }
 
 
@@ -506,10 +521,19 @@ def main() -> None:
     p.add_argument("--no-deadline-cap-s", type=float, default=45.0, help="client gives up")
     p.add_argument("--high-ttft-slo-s", type=float, default=2.0)
     p.add_argument("--low-ttft-slo-s", type=float, default=10.0)
-    p.add_argument("--capacity-calls", type=int, default=96)
+    p.add_argument("--capacity-calls", type=int, default=128)
     p.add_argument("--capacity-seed", type=int, default=1000)
-    # float32: what `--dtype auto` picks on a CPU without native bf16 (this AVX2 host).
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--capacity-req-s",
+        type=float,
+        default=0.0,
+        help="offered loads as multiples of this rate instead of streambatch's capacity measured "
+        "in this run (each target's own capacity is still measured): to compare settings on "
+        "the traces of an earlier run on the same host",
+    )
+    p.add_argument(
+        "--dtype", default="auto", help="engine dtype for every target (auto: what serve picks)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
@@ -520,16 +544,22 @@ def main() -> None:
         from pyserver.model import default_model_dir
 
         args.model = str(default_model_dir())
+    if args.dtype == "auto":  # resolved here so vLLM's server gets the dtype streambatch runs
+        from pyserver.engine.worker import resolve_dtype
+
+        args.dtype = resolve_dtype("auto")
     from transformers import AutoTokenizer
 
     args.tokenizer = AutoTokenizer.from_pretrained(args.model)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    if targets[0] != "streambatch":
+    if targets[0] != "streambatch" and not args.capacity_req_s:
         p.error("the first target must be streambatch: its capacity sets the offered loads")
     RESULTS.mkdir(exist_ok=True)
 
     results: dict[str, dict[str, Any]] = {}
     rate_of: dict[float, float] | None = None
+    if args.capacity_req_s:  # A/B runs on one host: the same traces as an earlier run
+        rate_of = {load: load * args.capacity_req_s for load in args.loads}
     for name in targets:
         results[name] = run_target(name, args, rate_of)
         rate_of = results[name]["rates"]

@@ -44,9 +44,10 @@ class ReferenceQueue:
         self._seq += 1
 
     def _effective(self, e: _Entry, now_ns: int) -> int:
-        if self._aging <= 0:
+        top = self._levels - 1
+        if self._aging <= 0 or e.priority >= top:
             return e.priority
-        return min(self._levels - 1, e.priority + max(0, (now_ns - e.enqueued_ns) // self._aging))
+        return min(top - 1, e.priority + max(0, (now_ns - e.enqueued_ns) // self._aging))
 
     def pop_batch(self, max_requests: int, max_tokens: int, now_ns: int) -> list[int]:
         heads = [h for h in self._heaps if h]

@@ -16,8 +16,9 @@
 // finish those requests promptly.
 //
 // Order inside a batch (the same rule the Python reference in bench/ implements):
-//   1. effective priority, highest first: priority + floor(wait / aging_interval), capped at the
-//      top level, so a waiting request is promoted one level per aging interval (no starvation);
+//   1. effective priority, highest first: priority + floor(wait / aging_interval), capped one
+//      below the top level, so a waiting request is promoted one level per aging interval (no
+//      starvation among the lower levels) but never competes with a request sent as urgent;
 //   2. within a level, the head request's length bucket first, then the nearest buckets
 //      (distance |b - head_bucket|, the shorter bucket first on a tie);
 //   3. FIFO (arrival order) last.

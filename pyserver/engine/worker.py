@@ -389,20 +389,19 @@ class EngineWorker:
             self._metrics.deadline_refusals.labels("submit").inc()
             raise RequestError(ErrorKind.DEADLINE, reason)
 
-    def _late_at_admission(self, item: WorkItem, now: int, *, contended: bool) -> bool:
-        """Released by the queue: will it miss its deadline? With nothing else waiting for the
-        slot, only when even the fastest plausible service misses (the refusal confidence).
-        With other calls waiting, a slot given to a call that is more likely to miss than not
-        is taken from one that could finish: then the calibrated mean decides (50 %). Under
-        overload this is what keeps the engine off work that expires mid-stream."""
+    def _late_at_admission(self, item: WorkItem, now: int) -> bool:
+        """Released by the queue: will it miss its deadline? Only when even the fastest
+        plausible service misses (the refusal confidence). Refusing on the calibrated mean when
+        other calls wait (tried) refuses calls that finish in time about half the time; the
+        collapse that rule was meant to stop came from aged low calls taking the slots that
+        preemption freed for high ones (see BatchQueue's aging cap)."""
         if not item.deadline_ns or not self.predictor.ready:
             return False
         steps = self.predictor.service_steps(item.expected_tokens - item.completion_tokens)
         pred = self.predictor.predict(
             Job(item.priority, steps), fixed_length=_fixed_length(item.sampling), queued=False
         )
-        bound = pred.mean_s if contended else pred.service_lower_s
-        late = bound > (item.deadline_ns - now) / 1e9
+        late = pred.service_lower_s > (item.deadline_ns - now) / 1e9
         if late and self.deadline_admission == "shadow":
             item.refusal_predicted = True
             return False
@@ -526,12 +525,11 @@ class EngineWorker:
                     )
                 )
         now = time.monotonic_ns()
-        contended = self.queue.size() > 0  # calls still waiting after this batch
         for h in result.admitted:
             item = self._items.get(h)
             if item is None:
                 continue
-            if self._late_at_admission(item, now, contended=contended):
+            if self._late_at_admission(item, now):
                 self._items.pop(h, None)
                 self._metrics.deadline_refusals.labels("admit").inc()
                 err = RequestError(

@@ -178,10 +178,12 @@ TEST(BatchQueue, AgingPromotesOneLevelPerInterval) {
   EXPECT_EQ(r.admitted, (std::vector<RequestId>{3, 1, 2}));
 
   push_ok(q, 4, 1, 0);
-  f.clock->advance_ns(250 * kMs);  // two intervals: level 0 -> 2 (capped at the top)
+  f.clock->advance_ns(250 * kMs);  // two intervals: level 0 -> 1 (capped below the top)
+  push_ok(q, 6, 1, 1);
   push_ok(q, 5, 1, 2);
   r = q.pop_batch(8, 1000, 0);
-  EXPECT_EQ(r.admitted, (std::vector<RequestId>{4, 5}));
+  // The urgent request first however long 4 waited; 4 (aged to level 1, older) before 6.
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{5, 4, 6}));
 }
 
 TEST(BatchQueue, CapacityTotalAndPerLevel) {
