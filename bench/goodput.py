@@ -10,12 +10,13 @@ Targets, one at a time on loopback, each started once and torn down as a process
                       would have finished in time (the shadow run of the same trace)
 
 Per target: capacity first (closed loop at max-num-seqs streams over the trace's call mix, its
-own requests/s and output tok/s); then for each seed and load L in --loads the seed's trace at
-L x streambatch's capacity (the same arrivals for every target). A trace: Poisson arrivals plus
-bursts of high-priority calls; two classes (high: priority 1, `--high-share`; low: 0) each with
-a TTFT SLO; prompt lengths lognormal over 10-1,500 tokens; max_tokens lognormal over 16-512 with
-EOS allowed (greedy, so both servers see the same natural lengths); deadlines lognormal over
-6-60 s, and some calls with none (the client still gives up after --no-deadline-cap-s).
+own requests/s and output tok/s while every stream is busy); then for each seed and load L in
+--loads the seed's trace at L x streambatch's capacity (the same arrivals for every target). A
+trace: Poisson arrivals plus bursts of high-priority calls; two classes (high: priority 1,
+`--high-share`; low: 0) each with a TTFT SLO; prompt lengths lognormal over 10-1,500 tokens;
+max_tokens lognormal over 16-512 with EOS allowed (greedy, so both servers see the same natural
+lengths); deadlines lognormal over 6-60 s, and some calls with none (the client still gives up
+after --no-deadline-cap-s).
 
 Judged per call as a caller sees it: *good* = finished within its deadline and its class's TTFT
 SLO. Goodput = good calls / arrival window. Also reported: the deadline-only goodput (the
@@ -444,17 +445,18 @@ async def capacity(target: Target, args: argparse.Namespace) -> dict[str, float]
         return {"req_s": 0.0, "output_tok_s": 0.0, "mean_output_tokens": 0.0, "window_s": 0.0}
     start = min(o.sent_at for o in out)
     end = max(o.sent_at for o in out)  # the last call sent: the pool was full until then
-    calls_in = tokens_in = 0.0
+    tokens_in = 0.0
     for o in ok:
         done = o.sent_at + (o.total_s or 0.0)
-        share = max(0.0, min(done, end) - o.sent_at) / max(1e-9, done - o.sent_at)
-        calls_in += share
-        tokens_in += share * o.tokens
+        tokens_in += o.tokens * max(0.0, min(done, end) - o.sent_at) / max(1e-9, done - o.sent_at)
     window = end - start
+    mean_tokens = float(np.mean([o.tokens for o in ok]))
+    # Calls/s from tokens/s over the whole mix's mean length: counting the calls that straddle
+    # the end pro rata would favour long ones (the calls still running then are the long ones).
     return {
-        "req_s": round(calls_in / window, 3),
+        "req_s": round(tokens_in / window / mean_tokens, 3),
         "output_tok_s": round(tokens_in / window, 1),
-        "mean_output_tokens": round(float(np.mean([o.tokens for o in ok])), 1),
+        "mean_output_tokens": round(mean_tokens, 1),
         "window_s": round(window, 1),
     }
 
@@ -508,7 +510,8 @@ def plot(runs: list[dict[str, Any]], targets: list[str], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="")
-    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    # Seed 1 is the one streambatch's defaults were tuned on; the report is on others.
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3])
     p.add_argument(
         "--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1, 1.5, 2, 3]
     )

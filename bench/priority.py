@@ -237,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--aging-s",
         type=float,
         default=30.0,
-        help="aging interval; longer than the low queue timeout so no low request is promoted "
-        "into the top level during the run (see docs/benchmarks.md)",
+        help="aging interval (aging stops one level below the top; with two levels it changes "
+        "nothing)",
     )
     parser.add_argument(
         "--step-tokens",

@@ -1,8 +1,9 @@
 """Pure-Python reference of the BatchQueue admission policy (csrc/batch_queue.h), heapq-based.
 
 It implements the same order (effective priority with aging, head bucket then nearest buckets,
-FIFO) and the same token-budget rule, without the blocking and release-rule machinery; the
-benchmark measures the C++ core against it and the tests check both produce the same order.
+arrival order: oldest first, newest first in a level past lifo_after_ns) and the same
+token-budget rule, without the blocking and release-rule machinery; the benchmark measures the
+C++ core against it and the tests check both produce the same order.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ class _Entry:
 
 class ReferenceQueue:
     def __init__(
-        self, priority_levels: int, bucket_bounds: list[int], aging_interval_ns: int = 0
+        self,
+        priority_levels: int,
+        bucket_bounds: list[int],
+        aging_interval_ns: int = 0,
+        lifo_after_ns: int = 0,
     ) -> None:
+        self._lifo_after = lifo_after_ns
         self._levels = priority_levels
         self._bounds = list(bucket_bounds)
         self._buckets = len(bucket_bounds) + 1
@@ -50,30 +56,47 @@ class ReferenceQueue:
         return min(top - 1, e.priority + max(0, (now_ns - e.enqueued_ns) // self._aging))
 
     def pop_batch(self, max_requests: int, max_tokens: int, now_ns: int) -> list[int]:
-        heads = [h for h in self._heaps if h]
-        if not heads:
+        lifo = [False] * self._levels
+        for i, h in enumerate(self._heaps):
+            if h and self._lifo_after and now_ns - h[0][1].enqueued_ns >= self._lifo_after:
+                lifo[i // self._buckets] = True
+
+        def candidate(i: int) -> tuple[_Entry, tuple[int, int], int]:
+            """The entry taken next from heap i, its arrival-order key (smaller first; a
+            newest-first heap after every oldest-first one, as the C++ keys sort) and the
+            heap's effective priority (its oldest entry's)."""
+            h = self._heaps[i]
+            eff = self._effective(h[0][1], now_ns)
+            if lifo[i // self._buckets]:
+                newest = max(h)[1]
+                return newest, (1, -newest.seq), eff
+            return h[0][1], (0, h[0][0]), eff
+
+        live = [i for i, h in enumerate(self._heaps) if h]
+        if not live:
             return []
-        head = max(heads, key=lambda h: (self._effective(h[0][1], now_ns), -h[0][0]))
-        head_bucket = head[0][1].bucket
+        head_bucket = min((-eff, key, e.bucket) for e, key, eff in (candidate(i) for i in live))[2]
         out: list[int] = []
         tokens = 0
         while len(out) < max_requests:
-            best: list[tuple[int, _Entry]] | None = None
-            best_key: tuple[int, int, int, int] | None = None
-            for h in self._heaps:
+            best: int | None = None
+            best_key: tuple[int, int, int, tuple[int, int]] | None = None
+            for i, h in enumerate(self._heaps):
                 if not h:
                     continue
-                e = h[0][1]
-                key = (-self._effective(e, now_ns), abs(e.bucket - head_bucket), e.bucket, e.seq)
+                e, order, eff = candidate(i)
+                key = (-eff, abs(e.bucket - head_bucket), e.bucket, order)
                 if best_key is None or key < best_key:
-                    best, best_key = h, key
+                    best, best_key = i, key
             if best is None:
                 break
-            e = best[0][1]
+            e, _, _ = candidate(best)
             if tokens + e.cost > max_tokens:
                 break
             tokens += e.cost
-            heapq.heappop(best)
+            h = self._heaps[best]
+            h.remove((e.seq, e))
+            heapq.heapify(h)
             out.append(e.id)
         return out
 

@@ -62,8 +62,9 @@ static QueueConfig checked(QueueConfig c) {
   if (c.bucket_bounds.size() > 256) throw std::invalid_argument("at most 256 bucket bounds");
   if (c.max_batch_requests < 1) throw std::invalid_argument("max_batch_requests must be >= 1");
   if (c.max_batch_tokens < 1) throw std::invalid_argument("max_batch_tokens must be >= 1");
-  if (c.batch_window_ns < 0 || c.max_wait_ns < 0 || c.aging_interval_ns < 0)
-    throw std::invalid_argument("batch_window, max_wait and aging_interval must be >= 0");
+  if (c.batch_window_ns < 0 || c.max_wait_ns < 0 || c.aging_interval_ns < 0 ||
+      c.lifo_after_ns < 0)
+    throw std::invalid_argument("batch_window, max_wait, aging_interval and lifo_after must be >= 0");
   return c;
 }
 
@@ -214,6 +215,29 @@ void BatchQueue::drop_dead_heads_locked(size_t index) {
   }
 }
 
+void BatchQueue::drop_dead_tails_locked(size_t index) {
+  auto& q = fifos_[index];
+  while (tombstones_[index] > 0 && !q.empty()) {
+    auto it = entries_.find(q.back().id);
+    if (it != entries_.end() && it->second.seq == q.back().seq) return;
+    q.pop_back();
+    --tombstones_[index];
+  }
+}
+
+bool BatchQueue::takes_back_locked(size_t index) const {
+  const auto& q = fifos_[index];
+  // A requeued request (seq below kFirstSeq) sits at the front and goes first either way.
+  return lifo_level_[index / bucket_count_] != 0 && q.front().seq >= kFirstSeq;
+}
+
+std::uint64_t BatchQueue::order_key(std::uint64_t seq, bool newest_first) {
+  // Requeued requests keep their (small) seq; arrivals in a LIFO level map to a key that
+  // falls as seq grows, above every requeued seq: kFirstSeq + (max - seq) cannot overflow.
+  if (!newest_first || seq < kFirstSeq) return seq;
+  return kFirstSeq + (std::numeric_limits<std::uint64_t>::max() - seq);
+}
+
 void BatchQueue::expire_locked(Nanos now, std::vector<RequestId>& out) {
   while (!deadlines_.empty() && deadlines_.top().deadline_ns <= now) {
     const DeadlineItem item = deadlines_.top();
@@ -286,27 +310,48 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
                                std::vector<RequestId>& out) {
   const int levels = config_.priority_levels;
   const int buckets = static_cast<int>(bucket_count_);
-  // The head request: best by (effective priority, arrival).
+  // Levels in overload (their oldest arrival waited lifo_after_ns) are served newest first.
+  // Requeued requests (at the front, seq below kFirstSeq) do not count: their wait includes
+  // the time they ran before a preemption stopped them, which says nothing about a backlog.
+  lifo_level_.assign(static_cast<size_t>(levels), 0);
+  if (config_.lifo_after_ns > 0) {
+    for (int p = 0; p < levels; ++p) {
+      for (int b = 0; b < buckets; ++b) {
+        for (const Slot& s : fifo(p, b)) {
+          if (s.seq < kFirstSeq) continue;
+          if (now - s.enqueued_ns >= config_.lifo_after_ns) lifo_level_[static_cast<size_t>(p)] = 1;
+          break;
+        }
+      }
+    }
+  }
+  // The head request: best by (effective priority, arrival order).
   int head_bucket = -1, best_eff = -1;
-  std::uint64_t best_seq = 0;
+  std::uint64_t best_key = 0;
   for (int p = 0; p < levels; ++p) {
     for (int b = 0; b < buckets; ++b) {
-      auto& q = fifo(p, b);
+      const size_t index = static_cast<size_t>(p) * bucket_count_ + static_cast<size_t>(b);
+      auto& q = fifos_[index];
       if (q.empty()) continue;
+      const bool back = takes_back_locked(index);
+      if (back) drop_dead_tails_locked(index);
+      // Aging lifts a FIFO by its oldest request, whichever end is taken from it: a level
+      // served newest first still climbs as its backlog ages (no starvation below).
       const int eff = effective_priority(p, q.front().enqueued_ns, now);
-      if (eff > best_eff || (eff == best_eff && q.front().seq < best_seq)) {
+      const std::uint64_t key = order_key((back ? q.back() : q.front()).seq, back);
+      if (eff > best_eff || (eff == best_eff && key < best_key)) {
         best_eff = eff;
-        best_seq = q.front().seq;
+        best_key = key;
         head_bucket = b;
       }
     }
   }
   if (head_bucket < 0) return;
 
-  // Merge the FIFO heads by (effective priority desc, bucket distance, bucket, arrival). Each
-  // FIFO is already in that order (older entries are both earlier and more aged), and `now` is
-  // fixed for the whole selection, so a FIFO's key changes only when its own head is taken:
-  // keys are computed once and refreshed for that one FIFO per pick.
+  // Merge the FIFOs by (effective priority desc, bucket distance, bucket, arrival order) of
+  // the slot each would give next. `now` is fixed for the whole selection, so a FIFO's key
+  // changes only when a slot is taken from it: keys are computed once and refreshed for that
+  // one FIFO per pick.
   auto& keys = head_keys_;
   keys.resize(fifos_.size());
   auto refresh = [&](size_t index) {
@@ -316,10 +361,12 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
     if (!k.live) return;
     const int p = static_cast<int>(index / bucket_count_);
     const int b = static_cast<int>(index % bucket_count_);
+    k.back = takes_back_locked(index);
+    if (k.back) drop_dead_tails_locked(index);
     k.eff = effective_priority(p, q.front().enqueued_ns, now);
     k.dist = std::abs(b - head_bucket);
     k.bucket = b;
-    k.seq = q.front().seq;
+    k.seq = order_key((k.back ? q.back() : q.front()).seq, k.back);
   };
   for (size_t i = 0; i < fifos_.size(); ++i) refresh(i);
 
@@ -343,18 +390,24 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
     }
     if (pick == nullptr) break;
     auto& q = fifos_[pick_index];
-    const Slot slot = q.front();
+    const bool back = pick->back;
+    const Slot slot = back ? q.back() : q.front();
     if (tokens + slot.cost > max_tokens) break;  // no overtaking past a request that does not fit
     tokens += slot.cost;
     out.push_back(slot.id);
-    // The head is live by invariant: remove it without a tombstone (one hash operation).
+    // The taken end is live by invariant: remove it without a tombstone (one hash operation).
     const auto level = pick_index / bucket_count_;
-    q.pop_front();
+    if (back) {
+      q.pop_back();
+    } else {
+      q.pop_front();
+    }
     entries_.erase(slot.id);
     --level_size_[level];
     --depth_[pick_index];
     queued_tokens_ -= slot.cost;
     drop_dead_heads_locked(pick_index);
+    drop_dead_tails_locked(pick_index);
     refresh(pick_index);
   }
 }
@@ -369,8 +422,10 @@ PopResult BatchQueue::pop_batch(std::int64_t max_requests, std::int64_t max_toke
       timeout_ns <= 0 ? start : (timeout_ns > kNever - start ? kNever : start + timeout_ns);
 
   std::unique_lock<std::mutex> lock(mu_);
-  // Set when a rule fired but the head did not fit the caller's budget: only a push or a
-  // cancel can change that, so time-based wake-ups are pointless until then.
+  // Set when a rule fired but the head did not fit the caller's budget: until a push, only
+  // the passage of time (aging, a level turning newest-first) can change the head, and then
+  // only to what the worker's next poll sees anyway (it polls with timeout 0 while anything
+  // runs, and with nothing running the engine's whole budget is free).
   bool budget_blocked = false;
   std::uint64_t seq_at_block = 0;
   for (;;) {

@@ -21,11 +21,16 @@
 //      starvation among the lower levels) but never competes with a request sent as urgent;
 //   2. within a level, the head request's length bucket first, then the nearest buckets
 //      (distance |b - head_bucket|, the shorter bucket first on a tie);
-//   3. FIFO (arrival order) last.
-// The head request is the first by (effective priority, arrival). A request costs
+//   3. arrival order last: oldest first, except in a level whose oldest request has waited
+//      lifo_after_ns or more (overload): there the newest first (adaptive LIFO, as in
+//      Facebook's "Fail at Scale"), so under overload the requests that still have their
+//      whole deadline are served while the old ones, likely past what their callers wait
+//      for, give way; requests put back by requeue() still go first.
+// A FIFO's effective priority is its oldest request's, whichever end is taken from it. The
+// head request is the first by (effective priority, arrival order). A request costs
 // prompt_tokens + max_new_tokens (its KV footprint at the end) against the token budget; the
-// batch stops at the first request that does not fit, so a large request is never overtaken
-// forever by smaller ones behind it.
+// batch stops at the first request that does not fit, so in arrival order a large request is
+// never overtaken forever by smaller ones behind it (newest first, until the backlog clears).
 #pragma once
 
 #include <atomic>
@@ -81,6 +86,7 @@ struct QueueConfig {
   Nanos batch_window_ns = 0;                // 0: no window, release on arrival
   Nanos max_wait_ns = 50'000'000;           // the seed's 50 ms
   Nanos aging_interval_ns = 0;              // 0: no aging
+  Nanos lifo_after_ns = 0;                  // 0: always arrival order (see "Order" above)
   bool release_on_urgent = true;
 };
 
@@ -182,7 +188,8 @@ class BatchQueue {
     int eff = 0;
     int dist = 0;
     int bucket = 0;
-    std::uint64_t seq = 0;
+    std::uint64_t seq = 0;  // order_key of the slot selection would take
+    bool back = false;      // that slot is the FIFO's back (LIFO level)
   };
   struct DeadlineItem {
     Nanos deadline_ns;
@@ -200,6 +207,11 @@ class BatchQueue {
   [[nodiscard]] int effective_priority(int priority, Nanos enqueued_ns, Nanos now) const;
   void remove_locked(RequestId id, const Entry& e);  // cancel/expiry: leaves a tombstone
   void drop_dead_heads_locked(size_t fifo_index);
+  void drop_dead_tails_locked(size_t fifo_index);
+  // The slot selection would take next from a FIFO (front, or back in a LIFO level), and its
+  // arrival-order key (smaller first).
+  [[nodiscard]] bool takes_back_locked(size_t fifo_index) const;
+  [[nodiscard]] static std::uint64_t order_key(std::uint64_t seq, bool newest_first);
   void expire_locked(Nanos now, std::vector<RequestId>& out);
   [[nodiscard]] bool release_reason_locked(Nanos now, std::int64_t max_requests,
                                            std::int64_t max_tokens, ReleaseReason& why);
@@ -222,6 +234,7 @@ class BatchQueue {
   std::vector<std::int64_t> tombstones_;  // dead slots per FIFO; 0 lets selection skip lookups
   std::vector<RequestId> cancelled_;
   std::vector<HeadKey> head_keys_;
+  std::vector<char> lifo_level_;  // scratch of select_locked: level served newest first
   std::int64_t queued_tokens_ = 0;
   // Arrivals take increasing sequence numbers from the middle of the range, requeued requests
   // decreasing ones below it, so a requeued request sorts before every arrival.

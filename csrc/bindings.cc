@@ -126,6 +126,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("batch_window_ns", &QueueConfig::batch_window_ns)
       .def_readwrite("max_wait_ns", &QueueConfig::max_wait_ns)
       .def_readwrite("aging_interval_ns", &QueueConfig::aging_interval_ns)
+      .def_readwrite("lifo_after_ns", &QueueConfig::lifo_after_ns)
       .def_readwrite("release_on_urgent", &QueueConfig::release_on_urgent);
 
   py::class_<PopResult>(m, "PopResult")

@@ -42,6 +42,7 @@ class QueueConfig:
     batch_window_ns: int
     max_wait_ns: int
     aging_interval_ns: int
+    lifo_after_ns: int
     release_on_urgent: bool
     def __init__(self) -> None: ...
 

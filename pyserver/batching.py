@@ -43,6 +43,7 @@ def make_config(
     batch_window_s: float = 0.0,
     max_wait_s: float = 0.05,
     aging_interval_s: float = 0.0,
+    lifo_after_s: float = 0.0,
     release_on_urgent: bool = True,
 ) -> QueueConfig:
     """A QueueConfig with durations in seconds; the constructor of BatchQueue validates it."""
@@ -56,5 +57,6 @@ def make_config(
     config.batch_window_ns = round(batch_window_s * _NS)
     config.max_wait_ns = round(max_wait_s * _NS)
     config.aging_interval_ns = round(aging_interval_s * _NS)
+    config.lifo_after_ns = round(lifo_after_s * _NS)
     config.release_on_urgent = release_on_urgent
     return config

@@ -129,6 +129,14 @@ def _serve_parser(sub: Any) -> None:
     _add(
         p, "--aging-interval-ms", float, 2000.0, "promote a waiting request one level per interval"
     )
+    _add(
+        p,
+        "--lifo-after-ms",
+        float,
+        1000.0,
+        "overload: a priority level whose oldest waiting request has waited this long is "
+        "served newest first (adaptive LIFO; 0: always oldest first)",
+    )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
@@ -274,6 +282,7 @@ def _serve(args: argparse.Namespace) -> int:
         batch_window_s=args.batch_window_ms / 1e3,
         max_wait_s=args.max_wait_ms / 1e3,
         aging_interval_s=args.aging_interval_ms / 1e3,
+        lifo_after_s=args.lifo_after_ms / 1e3,
         level_capacity=args.level_capacity,
         level_queue_timeout_ms=args.level_queue_timeout_ms,
         reserved_top_slots=args.reserved_top_slots,

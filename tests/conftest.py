@@ -19,6 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ENGINE_SEQS = 8
+# Longer than any queue wait the other tests make, so only the test of the overload order
+# (which waits past it on purpose) sees a level served newest first.
+LIFO_AFTER_S = 6.0
 QUEUE_CAPACITY = 24
 
 
@@ -98,6 +101,7 @@ def live_server() -> Iterator[LiveServer]:
         port=0,
         queue_capacity=QUEUE_CAPACITY,
         aging_interval_s=60.0,
+        lifo_after_s=LIFO_AFTER_S,
         metrics_port=0,
         trace_engine_steps=1.0,
     )

@@ -54,6 +54,7 @@ class ServerSettings:
     batch_window_s: float = 0.0
     max_wait_s: float = 0.0
     aging_interval_s: float = 2.0
+    lifo_after_s: float = 1.0  # a level whose oldest waited this long is served newest first
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption
     reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use
@@ -221,6 +222,7 @@ class StreambatchServer:
             batch_window_s=s.batch_window_s,
             max_wait_s=s.max_wait_s,
             aging_interval_s=s.aging_interval_s,
+            lifo_after_s=s.lifo_after_s,
         )
 
     def _limits(self, worker: EngineWorker) -> Limits:

@@ -186,6 +186,33 @@ TEST(BatchQueue, AgingPromotesOneLevelPerInterval) {
   EXPECT_EQ(r.admitted, (std::vector<RequestId>{5, 4, 6}));
 }
 
+TEST(BatchQueue, OverloadedLevelIsServedNewestFirstRequeuedStillFirst) {
+  Fixture f;
+  f.config.lifo_after_ns = 100 * kMs;
+  auto q = f.make();
+  const Nanos first_arrival = f.clock->now_ns();
+  push_ok(q, 1, 10, 0);
+  f.clock->advance_ns(50 * kMs);
+  push_ok(q, 2, 10, 0);
+  push_ok(q, 3, 10, 0);
+  auto r = q.pop_batch(1, 1000, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1}));  // oldest waited 50 ms: arrival order
+
+  f.clock->advance_ns(100 * kMs);  // 2 has waited 100 ms: level 0 is overloaded
+  push_ok(q, 4, 10, 0);
+  push_ok(q, 5, 10, 0);
+  push_ok(q, 6, 10, 1);  // level 1 is not: its own order, and before level 0 anyway
+  EXPECT_TRUE(q.cancel(5));  // a dead tail is skipped, not taken
+  r = q.pop_batch(3, 1000, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{6, 4, 3}));
+  EXPECT_EQ(r.cancelled, (std::vector<RequestId>{5}));
+
+  push_ok(q, 7, 10, 0);
+  ASSERT_EQ(q.requeue(1, 15, 5, 0, 0, first_arrival).status, PushStatus::kAccepted);
+  r = q.pop_batch(3, 1000, 0);
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 7, 2}));  // the preempted one resumes first
+}
+
 TEST(BatchQueue, CapacityTotalAndPerLevel) {
   Fixture f;
   f.config.capacity = 3;

@@ -110,6 +110,44 @@ def _fill_engine(live_server, pool, n: int, max_tokens: int = 48):  # type: igno
     return futures
 
 
+def test_an_overloaded_level_is_served_newest_first(live_server) -> None:  # type: ignore[no-untyped-def]
+    """Adaptive LIFO on the real engine: once the oldest waiting call has waited lifo_after,
+    the calls sent after it enter the engine first, newest first; the old one still runs."""
+    seqs = live_server.worker.max_num_seqs
+    lifo_after_s = live_server.server.settings.lifo_after_s
+    s = stub(live_server.target)
+    with ThreadPoolExecutor(24) as pool:
+        # Staggered lengths: the engine frees one slot at a time, so the admission order shows.
+        running = [
+            pool.submit(
+                run_stream, s, request(f"Story {i}", max_tokens=400 + 12 * i, ignore_eos=True)
+            )
+            for i in range(seqs)
+        ]
+        assert wait_until(lambda: len(live_server.worker._running) >= seqs, 30)
+        old = pool.submit(run_stream, s, request("Old", max_tokens=4, ignore_eos=True))
+        assert wait_until(lambda: live_server.worker.queue.size() >= 1, 10)
+        time.sleep(lifo_after_s + 0.5)
+        assert len(live_server.worker._running) >= seqs, "a slot freed too early"
+        new = []
+        for i in range(3):
+            new.append(
+                pool.submit(run_stream, s, request(f"New {i}", max_tokens=4, ignore_eos=True))
+            )
+            assert wait_until(lambda n=2 + i: live_server.worker.queue.size() >= n, 10)
+        results = [f.result(180) for f in new]
+        old_result = old.result(180)
+        for f in running:
+            assert f.result(180).code == grpc.StatusCode.OK
+    assert old_result.code == grpc.StatusCode.OK
+    assert all(r.code == grpc.StatusCode.OK for r in results)
+    admitted = [r.admitted_at for r in results]
+    assert admitted[2] < admitted[1] < admitted[0] < old_result.admitted_at, (
+        admitted,
+        old_result.admitted_at,
+    )
+
+
 def test_high_priority_is_admitted_before_earlier_low_priority(live_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(live_server.target)
     with ThreadPoolExecutor(24) as pool:

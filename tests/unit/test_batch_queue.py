@@ -144,6 +144,7 @@ def test_keyword_and_positional_push_agree() -> None:
         ({"capacity": 0}, "capacity"),
         ({"level_capacity": [1]}, "one entry per priority level"),
         ({"max_wait_s": -1.0}, "must be >= 0"),
+        ({"lifo_after_s": -1.0}, "must be >= 0"),
     ],
 )
 def test_bad_config_raises_value_error(kw: dict[str, object], message: str) -> None:
@@ -159,9 +160,9 @@ def test_bad_timeout_raises_value_error() -> None:
         q.pop_batch(1, 1, timeout=-1.0)
 
 
-@pytest.mark.parametrize("aging_ms", [0, 5])
-def test_same_order_as_the_python_reference(aging_ms: int) -> None:
-    rng = random.Random(aging_ms + 11)
+@pytest.mark.parametrize(("aging_ms", "lifo_ms"), [(0, 0), (5, 0), (0, 4), (5, 2)])
+def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int) -> None:
+    rng = random.Random(aging_ms + 11 + 100 * lifo_ms)
     bounds = [32, 128, 512]
     clock = ManualClock(1_000 * MS)
     core = BatchQueue(
@@ -169,14 +170,18 @@ def test_same_order_as_the_python_reference(aging_ms: int) -> None:
             priority_levels=3,
             bucket_bounds=bounds,
             aging_interval_s=aging_ms / 1e3,
+            lifo_after_s=lifo_ms / 1e3,
             capacity=100_000,
         ),
         clock,
     )
-    ref = ReferenceQueue(3, bounds, aging_ms * MS)
+    ref = ReferenceQueue(3, bounds, aging_ms * MS, lifo_ms * MS)
     next_id = 0
-    for _ in range(300):
-        for _ in range(rng.randint(0, 20)):
+    drained = 0
+    for round_ in range(300):
+        # Bursts that outrun the pops, then lulls that drain them: levels turn newest-first
+        # under a backlog and back to arrival order once it clears.
+        for _ in range(rng.randint(0, 20 if round_ % 60 < 15 else 1)):
             prompt, new, prio = rng.randint(1, 1000), rng.randint(1, 64), rng.randint(0, 2)
             assert core.push(next_id, prompt, new, prio) == PushStatus.ACCEPTED
             ref.push(next_id, prompt, new, prio, clock.now_ns())
@@ -185,4 +190,6 @@ def test_same_order_as_the_python_reference(aging_ms: int) -> None:
         max_req, max_tok = rng.randint(1, 16), rng.randint(50, 5000)
         expected = ref.pop_batch(max_req, max_tok, clock.now_ns())
         assert core.pop_batch(max_req, max_tok).admitted == expected
+        drained += round_ > 20 and len(ref) == 0
     assert len(core) == len(ref)
+    assert drained, "the lulls never cleared the backlog: arrival order after LIFO is untested"
