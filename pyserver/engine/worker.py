@@ -470,7 +470,8 @@ class EngineWorker:
             self.failed = exc
             self._metrics.engine_failures.inc()
             self.queue.close()
-            self._fail_all(f"engine failure: {type(exc).__name__}")
+            # The client gets a stable message; what failed, and how, is in the log above.
+            self._fail_all("the engine failed; retry on another replica")
             if self.on_failure is not None:
                 self._loop.call_soon_threadsafe(self.on_failure, exc)
 
@@ -562,13 +563,19 @@ class EngineWorker:
             except self._request_errors as exc:
                 # vLLM validates a request before it touches engine state (its client errors,
                 # SamplingParams' ValueErrors): this request is bad, the engine is fine.
-                # Anything else still fails the engine (see _run).
+                # Anything else still fails the engine (see _run). vLLM's text goes to the log
+                # (never the caller's: no prompt, no sampling settings, which hold stop
+                # strings); the client gets a stable message and its request id to find it.
                 log.warning(
-                    "engine refused request %d (%d prompt tokens, %s): %s",
-                    h, len(prompt), sampling, exc,
+                    "engine refused request %s (%d prompt tokens): %s: %s",
+                    item.request_id, len(prompt), type(exc).__name__, exc,
                 )  # fmt: skip
                 self._items.pop(h, None)
-                err = RequestError(ErrorKind.INVALID, f"the engine refused the request: {exc}")
+                err = RequestError(
+                    ErrorKind.INVALID,
+                    f"the engine refused request {item.request_id}: a sampling setting or the "
+                    "prompt is outside what this model accepts (the server log says which)",
+                )
                 out.append((item.mailbox, Delta(error=err)))
                 continue
             self._running[h] = item

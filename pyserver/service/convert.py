@@ -174,11 +174,19 @@ def _chat_ids(chat: pb.ChatPrompt, tokenizer: Tokenizer, limits: Limits) -> list
             f"is {total} characters, more than the {limits.max_prompt_chars} this server accepts",
         )
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    rendered = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in chat.messages],
-        tokenize=False,
-        add_generation_prompt=add,
-    )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in chat.messages],
+            tokenize=False,
+            add_generation_prompt=add,
+        )
+    except Exception as exc:  # the template's own check (jinja raise_exception) or its failure
+        # The template's message says what it wants ("roles must alternate ..."); it is the
+        # model's text, not the server's internals.
+        reason = str(exc).splitlines()[0][:200] if str(exc) else "it raised an error"
+        raise invalid(
+            "prompt.chat.messages", f"the model's chat template rejected them: {reason}"
+        ) from exc
     return list(tokenizer.encode(str(rendered), add_special_tokens=False))
 
 
