@@ -41,7 +41,11 @@ def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
 def _add(
     p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any, help: str
 ) -> None:
-    p.add_argument(flag, type=type, default=_env_default(flag.lstrip("-"), default), help=help)
+    default = _env_default(flag.lstrip("-"), default)
+    if type is _bool:  # a bare flag means true, as vLLM spells its booleans (--enforce-eager)
+        p.add_argument(flag, type=_bool, nargs="?", const=True, default=default, help=help)
+    else:
+        p.add_argument(flag, type=type, default=default, help=help)
 
 
 def _serve_parser(sub: Any) -> None:
@@ -60,12 +64,25 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--max-num-seqs", int, 32, "sequences the engine runs at once")
     _add(p, "--max-num-batched-tokens", int, 0, "engine token budget per step (0: vLLM default)")
     _add(p, "--enable-prefix-caching", _bool, True, "reuse KV of shared prompt prefixes")
-    _add(p, "--kv-cache-gib", int, 1, "KV cache size on the CPU (VLLM_CPU_KVCACHE_SPACE)")
+    _add(
+        p,
+        "--kv-cache-gib",
+        int,
+        None,
+        "KV cache size on the CPU; sets VLLM_CPU_KVCACHE_SPACE (default: that variable, else 1)",
+    )
     _add(p, "--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for vLLM (GPU only)")
     _add(p, "--tensor-parallel-size", int, 1, "vLLM tensor parallelism")
     _add(p, "--pipeline-parallel-size", int, 1, "vLLM pipeline parallelism")
     _add(p, "--enforce-eager", _bool, True, "no torch.compile / CUDA graphs (fast start)")
-    _add(p, "--engine-process", str, "inproc", "inproc (engine in this process) or separate")
+    _add(
+        p,
+        "--engine-process",
+        str,
+        None,
+        "inproc (engine in this process) or separate; sets VLLM_ENABLE_V1_MULTIPROCESSING "
+        "(default: that variable, else inproc)",
+    )
     _add(
         p,
         "--engine-threads",
@@ -222,13 +239,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _prepare_engine_env(args: argparse.Namespace) -> None:
     """vLLM and the OpenMP runtime read these at import time, so they are set before anything
     imports torch or vllm."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    # A flag (or its STREAMBATCH_ variable) beats vLLM's own variable; the variable, when set
+    # (the Docker image sets VLLM_CPU_KVCACHE_SPACE), beats the default.
+    if args.kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    if args.engine_process not in ("inproc", "separate"):
-        raise SystemExit("--engine-process must be inproc or separate")
-    os.environ.setdefault(
-        "VLLM_ENABLE_V1_MULTIPROCESSING", "0" if args.engine_process == "inproc" else "1"
-    )
+    if args.engine_process is not None:
+        if args.engine_process not in ("inproc", "separate"):
+            raise SystemExit("--engine-process must be inproc or separate")
+        multiprocessing = "0" if args.engine_process == "inproc" else "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # Read by the OpenMP runtime when torch loads. The default is every usable core: measured
     # on 2 cores, one thread for decode steps (leaving a core to gRPC, as vLLM's servers do for
     # their engine process) lost 28 % tokens/s at 4 streams and 21 % at 32 (docs/benchmarks.md).

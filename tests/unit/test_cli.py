@@ -1,0 +1,72 @@
+"""The serve command's flags: vLLM's bare booleans, and a flag beating vLLM's variables."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pyserver.cli import _prepare_engine_env, build_parser
+
+_TOUCHED = (
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_HOST_IP",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "STREAMBATCH_KV_CACHE_GIB",
+    "STREAMBATCH_ENGINE_PROCESS",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_prepare_engine_env writes os.environ: set-then-delete makes monkeypatch restore each
+    variable as it was, whatever the test wrote."""
+    for var in _TOUCHED:
+        monkeypatch.setenv(var, "x")
+        monkeypatch.delenv(var)
+
+
+def _serve(*argv: str):  # type: ignore[no-untyped-def]
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_a_bare_boolean_flag_means_true_and_a_value_still_works() -> None:
+    assert _serve("--enforce-eager", "--max-num-seqs", "4").enforce_eager is True
+    assert _serve("--enforce-eager", "false").enforce_eager is False
+    assert _serve("--enable-prefix-caching").enable_prefix_caching is True
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "expected"),
+    [
+        ({"VLLM_CPU_KVCACHE_SPACE": "3"}, ["--kv-cache-gib", "1"], "1"),  # the flag wins
+        ({"VLLM_CPU_KVCACHE_SPACE": "3"}, [], "3"),  # the variable beats the default
+        ({}, [], "1"),  # the default
+        ({"STREAMBATCH_KV_CACHE_GIB": "2", "VLLM_CPU_KVCACHE_SPACE": "3"}, [], "2"),
+    ],
+)
+def test_kv_cache_flag_beats_vllms_variable(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], argv: list[str], expected: str
+) -> None:
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    _prepare_engine_env(_serve(*argv))
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "expected"),
+    [
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, ["--engine-process", "inproc"], "0"),
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ["--engine-process", "separate"], "1"),
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, [], "1"),
+        ({}, [], "0"),
+    ],
+)
+def test_engine_process_flag_beats_vllms_variable(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], argv: list[str], expected: str
+) -> None:
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    _prepare_engine_env(_serve(*argv))
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == expected
