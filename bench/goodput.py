@@ -672,7 +672,39 @@ def report(
         )
     )
     plot(runs, [t for t in targets if t != "streambatch_shadow"], args.out.with_suffix(".png"))
+    args.out.with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report, default=str))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The results table of docs/benchmarks.md: one row per seed and load, streambatch against
+    vLLM (sb / vllm in each cell)."""
+
+    def fmt(x: Any) -> str:
+        return "-" if x is None else f"{x:,.2f}" if isinstance(x, float) else str(x)
+
+    def pair(row: dict[str, Any], key: str) -> str:
+        return f"{fmt(row['streambatch'].get(key))} / {fmt(row.get('vllm', {}).get(key))}"
+
+    lines = [
+        "| seed | load | calls/s offered | goodput calls/s (sb / vllm) | ratio "
+        "| high in deadline % | high TTFT p99 ms | output tok/s | tok/s ÷ own capacity "
+        "| sb refused (would have finished) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["runs"]:
+        s = r["streambatch"]
+        refused = sum(s["refused"].values())
+        would = s.get("refused_would_have_finished", {}).get("would_have_finished")
+        own = r.get("output_tok_s_vs_own_capacity", {})
+        lines.append(
+            f"| {r['seed']} | {r['load']}x | {r['rate_req_s']:.2f} | {pair(r, 'goodput_req_s')} "
+            f"| {r.get('goodput_ratio_vs_vllm')} | {pair(r, 'high_served_pct')} "
+            f"| {pair(r, 'high_ttft_p99_ms')} | {pair(r, 'output_tok_s')} "
+            f"| {own.get('streambatch')} / {own.get('vllm')} "
+            f"| {refused}{'' if would is None else f' ({would})'} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _would_have_finished(
