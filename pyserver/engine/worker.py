@@ -626,7 +626,7 @@ class EngineWorker:
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
         m = self._metrics
         m.batch_size.observe(batch)
-        m.step_seconds.observe((now - started) / 1e9)
+        m.observe_step(started, now)
         generated = 0
         out: list[tuple[Mailbox, Delta]] = []
         served: list[Any] = []

@@ -7,6 +7,8 @@ collector, so nothing is updated on the hot path just to be scraped.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -40,6 +42,47 @@ class LoadSnapshot:
     concurrency_limit: int
     step_token_budget: int
     oldest_wait_s: float
+
+
+class BusyWindow:
+    """The engine's busy fraction: time inside engine steps over the last `window_s` of wall
+    time (the seed article's "GPU utilisation", on any device: the share of time the engine
+    computes rather than waits for work). The worker thread adds steps; a scrape reads a copy
+    (tuple() of a deque is one C call under the GIL, safe against the worker's appends)."""
+
+    def __init__(
+        self, window_s: float = 10.0, clock: Callable[[], int] = time.monotonic_ns
+    ) -> None:
+        self._window_ns = int(window_s * 1e9)
+        self._clock = clock
+        self._since_ns = clock()
+        self._steps: deque[tuple[int, int]] = deque()
+
+    def add(self, start_ns: int, end_ns: int) -> None:
+        self._steps.append((start_ns, end_ns))
+        while self._steps and self._steps[0][1] < end_ns - self._window_ns:
+            self._steps.popleft()
+
+    def fraction(self) -> float:
+        now = self._clock()
+        low = now - self._window_ns
+        span = min(self._window_ns, now - self._since_ns)
+        if span <= 0:
+            return 0.0
+        busy = sum(end - max(start, low) for start, end in tuple(self._steps) if end > low)
+        return min(1.0, busy / span)
+
+
+class _BusyCollector(Collector):
+    def __init__(self, busy: BusyWindow) -> None:
+        self._busy = busy
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_engine_busy_ratio",
+            "Time in engine steps / wall time over the last 10 s (0..1)",
+            value=self._busy.fraction(),
+        )
 
 
 class _LoadCollector(Collector):
@@ -176,6 +219,20 @@ class Metrics:
         self.engine_failures = Counter(
             f"{PREFIX}_engine_failures", "Engine step loop failures", registry=r
         )
+        self.busy_seconds = Counter(
+            f"{PREFIX}_engine_busy_seconds",
+            "Time spent inside engine steps (rate() = busy fraction over any window)",
+            registry=r,
+        )
+        self.busy = BusyWindow()
+        r.register(_BusyCollector(self.busy))
+
+    def observe_step(self, start_ns: int, end_ns: int) -> None:
+        """One engine step: its duration histogram and the busy fraction."""
+        seconds = (end_ns - start_ns) / 1e9
+        self.step_seconds.observe(seconds)
+        self.busy_seconds.inc(seconds)
+        self.busy.add(start_ns, end_ns)
 
     def watch_load(self, read: Callable[[], LoadSnapshot | None]) -> None:
         self.registry.register(_LoadCollector(read))

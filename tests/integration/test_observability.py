@@ -136,6 +136,8 @@ def test_metrics_after_one_call(live_server) -> None:  # type: ignore[no-untyped
         "streambatch_inter_token_latency_seconds_count",
         "streambatch_generated_tokens_total",
         "streambatch_prompt_tokens_total",
+        "streambatch_engine_busy_seconds_total",
+        "streambatch_engine_busy_ratio",  # the call above stepped within the last 10 s
     ):
         assert sample(text, name) > 0, name
     assert sample(text, "streambatch_queue_time_seconds_count", '{priority="0"}') > 0

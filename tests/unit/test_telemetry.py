@@ -112,3 +112,20 @@ def test_step_tracer_samples_and_links() -> None:
     assert not StepTracer(provider, 0.0).enabled
     with pytest.raises(ValueError, match="ratio"):
         StepTracer(provider, 2.0)
+
+
+def test_busy_fraction_is_step_time_over_the_recent_window() -> None:
+    from pyserver.telemetry.metrics import BusyWindow
+
+    now = [0]
+    busy = BusyWindow(window_s=10.0, clock=lambda: now[0])
+    s = 1_000_000_000
+    now[0] = 4 * s
+    busy.add(0, 1 * s)  # 1 s busy of the 4 s since start
+    busy.add(3 * s, 4 * s)
+    assert busy.fraction() == pytest.approx(0.5)
+    now[0] = 20 * s  # both steps are older than the window: idle
+    assert busy.fraction() == 0.0
+    busy.add(12 * s, 20 * s)  # a step that began before the window counts from the window's start
+    now[0] = 24 * s
+    assert busy.fraction() == pytest.approx(0.6)  # 6 of the last 10 s (14..20 s) were busy
