@@ -8,6 +8,8 @@ Targets, one at a time on loopback, each started once and torn down as a process
   streambatch_shadow  streambatch with `--deadline-admission shadow`: it predicts and records
                       each refusal but serves the call, so the bench can count refusals that
                       would have finished in time (the shadow run of the same trace)
+  streambatch+--flag=value
+                      a streambatch variant with extra flags (a tuned profile; A/B runs)
 
 Per target: capacity first (closed loop at max-num-seqs streams over the trace's call mix, its
 own requests/s and output tok/s while every stream is busy); then for each seed and load L in
@@ -247,6 +249,7 @@ class Target:
         self.name = name
         self.args = args
         self.port = _free_port()
+        self.metrics_port = _free_port()
         self.setup: dict[str, Any] = {}
         self.group: Group | None = None
 
@@ -263,10 +266,13 @@ class Target:
         if self.name.startswith("streambatch"):
             cmd = [
                 str(Path(sys.executable).with_name("streambatch")), "serve",
-                "--model", a.model, "--port", str(self.port), "--metrics-port", "-1", *engine,
+                "--model", a.model, "--port", str(self.port),
+                "--metrics-port", str(self.metrics_port), *engine,
             ]  # fmt: skip
             if self.name == "streambatch_shadow":
                 cmd += ["--deadline-admission", "shadow"]
+            # streambatch+--flag=value+...: a streambatch variant (a tuned profile, an A/B run)
+            cmd += [f for part in self.name.split("+")[1:] for f in part.split("=", 1)]
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list()
             cmd = [
@@ -301,6 +307,21 @@ class Target:
     def stop(self) -> None:
         if self.group is not None:
             self.group.stop()
+
+    def refusal_predictions(self) -> dict[str, float]:
+        """streambatch's count of calls its deadline admission flagged (shadow mode: served
+        anyway), by how they ended: the refusal rule judged on every flagged call, also those
+        that missed and so never showed the flag to their client."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        counts = {"finished": 0.0, "missed": 0.0}
+        for family in text_string_to_metric_families(text):
+            if family.name == "streambatch_refusal_predictions":
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        counts[s.labels["outcome"]] = s.value
+        return counts
 
     async def run(self, calls: list[Call], label: str, closed_loop: int = 0) -> list[Outcome]:
         """Open loop at the calls' send times, or (closed_loop > 0) that many workers taking
@@ -475,10 +496,16 @@ def run_target(
         for seed in args.seeds:
             for load in args.loads:
                 calls = build_trace(seed, rates[load], args.duration, args)
+                shadow = name == "streambatch_shadow"
+                before = target.refusal_predictions() if shadow else {}
                 start = time.monotonic()
                 out = asyncio.run(target.run(calls, f"{name} seed {seed} load {load}x"))
                 wall = time.monotonic() - start
                 summary = summarize(out, args.duration, args, wall)
+                if shadow:
+                    time.sleep(1.0)  # the server settles a call a step after its client left
+                    after = target.refusal_predictions()
+                    summary["refusal_predictions"] = {k: after[k] - before[k] for k in after}
                 print(f"{name} seed {seed} load {load}x: {summary}", file=sys.stderr)
                 points[f"{seed}/{load}"] = {"summary": summary, "outcomes": out}
         return {"capacity": cap, "rates": rates, "points": points, "setup": target.setup}
@@ -618,8 +645,14 @@ def report(
     ]
     n_refused = sum(x["refused"] for x in refused)
     n_would = sum(x["would_have_finished"] for x in refused)
-    n_flagged = sum(x["shadow_flagged"] for x in refused)
-    n_flagged_ok = sum(x["shadow_flagged_finished"] for x in refused)
+    # Predicting without acting, counted by the shadow server itself for every flagged call
+    # (a client sees the flag only on a call's final message, i.e. only if it finished).
+    flags = [
+        pt["summary"].get("refusal_predictions", {})
+        for pt in results.get("streambatch_shadow", {}).get("points", {}).values()
+    ]
+    n_flagged_ok = sum(f.get("finished", 0.0) for f in flags)
+    n_flagged = n_flagged_ok + sum(f.get("missed", 0.0) for f in flags)
     # Calls that timed out after a prediction: their ratio is at least deadline / predicted
     # (censored); counting them at that bound keeps the median honest about under-predictions.
     censored = [
@@ -716,13 +749,7 @@ def _would_have_finished(
     served = {o.index: o for o in shadow}
     refused = [o for o in main_run if o.reason.startswith(("predicted", "late"))]
     would = sum(1 for o in refused if o.index in served and in_deadline(served[o.index]))
-    flagged = [o for o in shadow if o.refusal_predicted]
-    return {
-        "refused": len(refused),
-        "would_have_finished": would,
-        "shadow_flagged": len(flagged),
-        "shadow_flagged_finished": sum(1 for o in flagged if in_deadline(o)),
-    }
+    return {"refused": len(refused), "would_have_finished": would}
 
 
 if __name__ == "__main__":

@@ -510,6 +510,7 @@ class EngineWorker:
             self._metrics.expiries.labels("queue").inc(len(result.expired))
         for h in result.expired:
             if (gone := self._items.pop(h, None)) is not None:
+                self._settle_refusal_prediction(gone)
                 why = (
                     f"deadline passed while requeued after a priority preemption "
                     f"({gone.completion_tokens} tokens had been streamed)"
@@ -519,6 +520,7 @@ class EngineWorker:
                 out.append((gone.mailbox, Delta(error=RequestError(ErrorKind.DEADLINE, why))))
         for h in result.cancelled:
             if (gone := self._items.pop(h, None)) is not None:
+                self._settle_refusal_prediction(gone)
                 out.append(
                     (
                         gone.mailbox,
@@ -793,7 +795,19 @@ class EngineWorker:
     def _retire(self, handle: int) -> WorkItem:
         item = self._leave_engine(handle)
         self._items.pop(handle, None)
+        self._settle_refusal_prediction(item)
         return item
+
+    def _settle_refusal_prediction(self, item: WorkItem) -> None:
+        """A call the predictor would have refused (shadow mode serves it anyway) has ended:
+        count whether it finished in time, so the refusal rule's error rate is measured on
+        every flagged call, also those whose client never saw a final message."""
+        if not item.refusal_predicted:
+            return
+        in_time = bool(item.finished_ns) and (
+            not item.deadline_ns or item.finished_ns <= item.deadline_ns
+        )
+        self._metrics.refusal_predictions.labels("finished" if in_time else "missed").inc()
 
     def _leave_engine(self, handle: int) -> WorkItem:
         item = self._running.pop(handle)

@@ -209,6 +209,14 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        self.refusal_predictions = Counter(
+            f"{PREFIX}_refusal_predictions",
+            "Calls deadline admission would have refused but served (shadow mode), by how "
+            "they ended: finished (in time) or missed; finished / all is the refusal rule's "
+            "error rate",
+            ["outcome"],
+            registry=r,
+        )
         self.finish_time_ratio = Histogram(
             f"{PREFIX}_finish_time_ratio",
             "Finished calls: actual accepted-to-finished time / the time predicted at submit "

@@ -180,6 +180,21 @@ def test_the_worker_refuses_below_the_lower_bound_and_shadow_only_records() -> N
     assert late.refusal_predicted
 
 
+def test_a_flagged_call_is_counted_by_how_it_ended() -> None:
+    """Shadow mode's error rate counts every flagged call, also one that missed (its client
+    saw no final message carrying the flag)."""
+    w = _worker(fed([0.05] * 20), running=[])
+    count = w._metrics.refusal_predictions
+    finished, missed = _item(1, 0, 10, 30.0), _item(2, 0, 10, 30.0)
+    finished.refusal_predicted = missed.refusal_predicted = True
+    finished.finished_ns = time.monotonic_ns()
+    w._settle_refusal_prediction(finished)
+    w._settle_refusal_prediction(missed)  # expired or cancelled: never finished
+    w._settle_refusal_prediction(_item(3, 0, 10, 30.0))  # not flagged: not counted
+    assert count.labels("finished")._value.get() == 1
+    assert count.labels("missed")._value.get() == 1
+
+
 def test_kv_reservation_counts_a_prompt_block_that_a_running_request_holds_once() -> None:
     w = EngineWorker.__new__(EngineWorker)
     w._block_size, w._held_blocks, w._reserved_tokens, w._running = 4, {}, 0, {}
