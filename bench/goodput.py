@@ -2,12 +2,15 @@
 priority scheduler, on open-loop traces drawn from a seed.
 
 Targets, one at a time on loopback, each started once and torn down as a process group:
-  streambatch         `streambatch serve` with its defaults (the flags a user gets)
+  streambatch         `streambatch serve` with its defaults (the flags a user gets). Its
+                      deadline admission runs in shadow mode by default: it predicts and
+                      counts each refusal it would make but serves the call, so this run
+                      measures the refusal rule without acting on it
   vllm                vLLM's OpenAI server, `--scheduling-policy priority`, OpenMP bound over
                       every usable core (VLLM_CPU_OMP_THREADS_BIND), the same engine arguments
-  streambatch_shadow  streambatch with `--deadline-admission shadow`: it predicts and records
-                      each refusal but serves the call, so the bench can count refusals that
-                      would have finished in time (the shadow run of the same trace)
+  streambatch_refusing
+                      streambatch with `--deadline-admission on` (refusals acted on), the same
+                      trace: its refusals, and how many of them the default run finished in time
   streambatch+--flag=value
                       a streambatch variant with extra flags (a tuned profile; A/B runs)
 
@@ -23,8 +26,9 @@ after --no-deadline-cap-s).
 Judged per call as a caller sees it: *good* = finished within its deadline and its class's TTFT
 SLO. Goodput = good calls / arrival window. Also reported: the deadline-only goodput (the
 TTFT SLO not applied), completion % per class, TTFT p50/p99 per class, output tok/s, refusals
-by reason, and from the shadow run: how many of the calls streambatch refused at that point of
-the trace finished in time when served (by trace index). Calibration: actual / predicted total
+by reason, and from the default (shadow) run: how many of the calls streambatch_refusing refused
+at that point of the trace finished in time when served (by trace index), and the server's own
+count of the calls it would have refused and how they ended. Calibration: actual / predicted total
 time of every call streambatch finished (Timings.predicted_total_ms).
 
 Last stdout line: one JSON object; bench/results/goodput.json and goodput.png.
@@ -269,8 +273,8 @@ class Target:
                 "--model", a.model, "--port", str(self.port),
                 "--metrics-port", str(self.metrics_port), *engine,
             ]  # fmt: skip
-            if self.name == "streambatch_shadow":
-                cmd += ["--deadline-admission", "shadow"]
+            if self.name == "streambatch_refusing":
+                cmd += ["--deadline-admission", "on"]
             # streambatch+--flag=value+...: a streambatch variant (a tuned profile, an A/B run)
             cmd += [f for part in self.name.split("+")[1:] for f in part.split("=", 1)]
         else:
@@ -403,6 +407,30 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1e3, 1) if values else None
 
 
+def tokens_in_window(outcomes: list[Outcome], window_s: float, *, ok_only: bool) -> float:
+    """Output tokens streamed while arrivals lasted (the trace's first window_s seconds), each
+    call's tokens spread evenly from its first token to its end (a call cut off by its
+    deadline or the client's cap ended then). Over the whole wall time, as output_tok_s
+    counts, the drain after the last arrival (the last calls running a few at a time, the
+    queue's refusals returning late) pulls a server that stayed saturated under the load well
+    below its capacity."""
+    sent = [o.sent_at for o in outcomes if o.sent_at]
+    if not sent:
+        return 0.0
+    end_of_window = min(sent) + window_s
+    total = 0.0
+    for o in outcomes:
+        if not o.tokens or o.ttft_s is None or (ok_only and o.code != "OK"):
+            continue
+        first = o.sent_at + o.ttft_s
+        last = o.sent_at + (o.total_s or o.deadline_s or first - o.sent_at)
+        if last <= first:
+            total += o.tokens if first <= end_of_window else 0.0
+            continue
+        total += o.tokens * max(0.0, min(last, end_of_window) - first) / (last - first)
+    return total
+
+
 def summarize(
     outcomes: list[Outcome], window_s: float, args: argparse.Namespace, wall_s: float
 ) -> dict[str, Any]:
@@ -432,6 +460,14 @@ def summarize(
         "high_served_pct": by_class["high"]["finished_in_deadline_pct"],
         "high_ttft_p99_ms": by_class["high"]["ttft_p99_ms"],
         "output_tok_s": round(sum(o.tokens for o in outcomes if o.code == "OK") / wall_s, 1),
+        # While the load lasted: tokens of calls that finished, and every token streamed
+        # (also of calls that then missed their deadline: the engine was busy, not idle).
+        "loaded_output_tok_s": round(
+            tokens_in_window(outcomes, window_s, ok_only=True) / window_s, 1
+        ),
+        "loaded_streamed_tok_s": round(
+            tokens_in_window(outcomes, window_s, ok_only=False) / window_s, 1
+        ),
         "good_output_tok_s": round(sum(o.tokens for o in outcomes if good(o, args)) / wall_s, 1),
         "refused": refused,
         "codes": codes,
@@ -496,7 +532,7 @@ def run_target(
         for seed in args.seeds:
             for load in args.loads:
                 calls = build_trace(seed, rates[load], args.duration, args)
-                shadow = name == "streambatch_shadow"
+                shadow = name == "streambatch"  # deadline admission in shadow mode by default
                 before = target.refusal_predictions() if shadow else {}
                 start = time.monotonic()
                 out = asyncio.run(target.run(calls, f"{name} seed {seed} load {load}x"))
@@ -542,7 +578,7 @@ def main() -> None:
     p.add_argument(
         "--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1, 1.5, 2, 3]
     )
-    p.add_argument("--targets", default="streambatch,vllm,streambatch_shadow")
+    p.add_argument("--targets", default="streambatch,vllm,streambatch_refusing")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
     p.add_argument("--high-share", type=float, default=0.2)
     p.add_argument("--burst-share", type=float, default=0.1, help="of the rate, in high bursts")
@@ -614,10 +650,10 @@ def report(
             row: dict[str, Any] = {"seed": seed, "load": load, "rate_req_s": rate_of[load]}  # type: ignore[index]
             for name in targets:
                 row[name] = results[name]["points"][key]["summary"]
-            if "streambatch_shadow" in results:
-                row["streambatch"]["refused_would_have_finished"] = _would_have_finished(
+            if "streambatch_refusing" in results:
+                row["streambatch_refusing"]["refused_would_have_finished"] = _would_have_finished(
+                    results["streambatch_refusing"]["points"][key]["outcomes"],
                     results["streambatch"]["points"][key]["outcomes"],
-                    results["streambatch_shadow"]["points"][key]["outcomes"],
                     args,
                 )
             if "vllm" in results:
@@ -631,6 +667,12 @@ def report(
                     t: round(row[t]["output_tok_s"] / results[t]["capacity"]["output_tok_s"], 2)
                     for t in ("streambatch", "vllm")
                 }
+                row["loaded_output_tok_s_vs_own_capacity"] = {
+                    t: round(
+                        row[t]["loaded_output_tok_s"] / results[t]["capacity"]["output_tok_s"], 2
+                    )
+                    for t in ("streambatch", "vllm")
+                }
             runs.append(row)
 
     ratios = [
@@ -639,9 +681,9 @@ def report(
         for r in calibration(pt["outcomes"])
     ]
     refused = [
-        r["streambatch"]["refused_would_have_finished"]
+        r["streambatch_refusing"]["refused_would_have_finished"]
         for r in runs
-        if "refused_would_have_finished" in r["streambatch"]
+        if "refused_would_have_finished" in r.get("streambatch_refusing", {})
     ]
     n_refused = sum(x["refused"] for x in refused)
     n_would = sum(x["would_have_finished"] for x in refused)
@@ -649,7 +691,7 @@ def report(
     # (a client sees the flag only on a call's final message, i.e. only if it finished).
     flags = [
         pt["summary"].get("refusal_predictions", {})
-        for pt in results.get("streambatch_shadow", {}).get("points", {}).values()
+        for pt in results["streambatch"]["points"].values()
     ]
     n_flagged_ok = sum(f.get("finished", 0.0) for f in flags)
     n_flagged = n_flagged_ok + sum(f.get("missed", 0.0) for f in flags)
@@ -680,8 +722,9 @@ def report(
                 round(100 * n_flagged_ok / n_flagged, 1) if n_flagged else 0.0
             ),
             "shadow_flagged": n_flagged,
-            # The same trace index refused in the admitting run and served in the shadow run:
-            # lenient (the shadow run is more loaded, so refused calls miss there more often).
+            # The same trace index refused by streambatch_refusing and served by the default
+            # run: a different run, so a call refused after a long wait may have been served
+            # early there (the counter above is the like-for-like measure).
             "refused_in_main_finished_in_shadow_pct": (
                 round(100 * n_would / n_refused, 1) if n_refused else 0.0
             ),
@@ -704,7 +747,7 @@ def report(
             }
         )
     )
-    plot(runs, [t for t in targets if t != "streambatch_shadow"], args.out.with_suffix(".png"))
+    plot(runs, [t for t in targets if t != "streambatch_refusing"], args.out.with_suffix(".png"))
     args.out.with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report, default=str))
 
@@ -722,13 +765,13 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "| seed | load | calls/s offered | goodput calls/s (sb / vllm) | ratio "
         "| high in deadline % | high TTFT p99 ms | output tok/s | tok/s ÷ own capacity "
-        "| sb refused (would have finished) |",
+        "| refused with --deadline-admission on (would have finished) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
-        s = r["streambatch"]
-        refused = sum(s["refused"].values())
-        would = s.get("refused_would_have_finished", {}).get("would_have_finished")
+        acting = r.get("streambatch_refusing", r["streambatch"])
+        refused = sum(acting["refused"].values())
+        would = acting.get("refused_would_have_finished", {}).get("would_have_finished")
         own = r.get("output_tok_s_vs_own_capacity", {})
         lines.append(
             f"| {r['seed']} | {r['load']}x | {r['rate_req_s']:.2f} | {pair(r, 'goodput_req_s')} "

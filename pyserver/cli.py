@@ -129,9 +129,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument(
         "--deadline-admission",
         choices=("on", "shadow", "off"),
-        default=_env_default("deadline-admission", "on"),
-        help="refuse at submit a call predicted to miss its deadline or queue timeout (on); "
-        "only record the decision in Timings.refusal_predicted (shadow); never (off)",
+        default=_env_default("deadline-admission", "shadow"),
+        help="refuse a call predicted to miss its deadline or queue timeout (on); only record "
+        "the decision (Timings.refusal_predicted, streambatch_refusal_predictions_total) and "
+        "serve it (shadow, the default: refusing measured no goodput gain); never (off)",
     )
     _add(
         p,

@@ -102,6 +102,7 @@ def live_server() -> Iterator[LiveServer]:
         queue_capacity=QUEUE_CAPACITY,
         aging_interval_s=60.0,
         lifo_after_s=LIFO_AFTER_S,
+        deadline_admission="on",  # the refusal tests need it acting (the default is shadow)
         metrics_port=0,
         trace_engine_steps=1.0,
     )

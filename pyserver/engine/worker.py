@@ -201,7 +201,7 @@ class EngineWorker:
         preempt_after_s: float | None = 0.0,
         reserved_top_slots: int = 0,
         step_tokens: int = 0,
-        deadline_admission: str = "on",
+        deadline_admission: str = "shadow",
         refusal_confidence: float = 0.95,
     ) -> None:
         self._engine = engine

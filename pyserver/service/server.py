@@ -60,7 +60,7 @@ class ServerSettings:
     reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use
     step_tokens: int = 0  # per-step token budget of normal steps (0: max_num_batched_tokens)
     level_queue_timeout_ms: tuple[int, ...] = ()  # default queue timeout per level (0: none)
-    deadline_admission: str = "on"  # on | shadow (predict, record, serve anyway) | off
+    deadline_admission: str = "shadow"  # on | shadow (predict, record, serve anyway) | off
     refusal_confidence: float = 0.95  # refuse only when this sure the call misses its deadline
     max_prompt_tokens: int = 0  # 0: max_model_len - 1
     max_tokens_limit: int = 0  # 0: max_model_len - 1
