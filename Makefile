@@ -69,7 +69,7 @@ bench-priority: model
 	$(PY) bench/priority.py
 
 # Goodput against offered load (0.5x-3x capacity), streambatch vs vLLM's priority scheduler,
-# seeded open-loop traces; last line JSON, bench/results/goodput.{json,png}.
+# seeded open-loop traces; last line JSON, bench/results/goodput.{json,md,png}.
 bench-goodput: model
 	$(PY) bench/goodput.py
 

@@ -407,7 +407,9 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1e3, 1) if values else None
 
 
-def tokens_in_window(outcomes: list[Outcome], window_s: float, *, ok_only: bool) -> float:
+def tokens_in_window(
+    outcomes: list[Outcome], window_s: float, *, ok_only: bool, cap_s: float
+) -> float:
     """Output tokens streamed while arrivals lasted (the trace's first window_s seconds), each
     call's tokens spread evenly from its first token to its end (a call cut off by its
     deadline or the client's cap ended then). Over the whole wall time, as output_tok_s
@@ -423,7 +425,7 @@ def tokens_in_window(outcomes: list[Outcome], window_s: float, *, ok_only: bool)
         if not o.tokens or o.ttft_s is None or (ok_only and o.code != "OK"):
             continue
         first = o.sent_at + o.ttft_s
-        last = o.sent_at + (o.total_s or o.deadline_s or first - o.sent_at)
+        last = o.sent_at + (o.total_s or o.deadline_s or cap_s)
         if last <= first:
             total += o.tokens if first <= end_of_window else 0.0
             continue
@@ -434,6 +436,9 @@ def tokens_in_window(outcomes: list[Outcome], window_s: float, *, ok_only: bool)
 def summarize(
     outcomes: list[Outcome], window_s: float, args: argparse.Namespace, wall_s: float
 ) -> dict[str, Any]:
+    def loaded(*, ok_only: bool) -> float:
+        return tokens_in_window(outcomes, window_s, ok_only=ok_only, cap_s=args.no_deadline_cap_s)
+
     by_class: dict[str, Any] = {}
     for name, prio in (("high", 1), ("low", 0)):
         mine = [o for o in outcomes if o.priority == prio]
@@ -462,12 +467,8 @@ def summarize(
         "output_tok_s": round(sum(o.tokens for o in outcomes if o.code == "OK") / wall_s, 1),
         # While the load lasted: tokens of calls that finished, and every token streamed
         # (also of calls that then missed their deadline: the engine was busy, not idle).
-        "loaded_output_tok_s": round(
-            tokens_in_window(outcomes, window_s, ok_only=True) / window_s, 1
-        ),
-        "loaded_streamed_tok_s": round(
-            tokens_in_window(outcomes, window_s, ok_only=False) / window_s, 1
-        ),
+        "loaded_output_tok_s": round(loaded(ok_only=True) / window_s, 1),
+        "loaded_streamed_tok_s": round(loaded(ok_only=False) / window_s, 1),
         "good_output_tok_s": round(sum(o.tokens for o in outcomes if good(o, args)) / wall_s, 1),
         "refused": refused,
         "codes": codes,
@@ -603,6 +604,13 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
+    p.add_argument(
+        "--report-from",
+        type=Path,
+        default=None,
+        help="rebuild the report from a run's goodput-raw.pickle (give the run's --seeds, "
+        "--loads and --duration) instead of running",
+    )
     args = p.parse_args()
     # A SIGTERM (timeout, CI) unwinds like Ctrl-C, so every started target is torn down.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -618,10 +626,15 @@ def main() -> None:
 
     args.tokenizer = AutoTokenizer.from_pretrained(args.model)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if "streambatch" not in targets:
+        p.error("the targets must include streambatch (the report is built around it)")
     if targets[0] != "streambatch" and not args.capacity_req_s:
         p.error("the first target must be streambatch: its capacity sets the offered loads")
     RESULTS.mkdir(exist_ok=True)
 
+    if args.report_from:
+        rejudge(args)
+        return
     results: dict[str, dict[str, Any]] = {}
     rate_of: dict[float, float] | None = None
     if args.capacity_req_s:  # A/B runs on one host: the same traces as an earlier run
@@ -633,6 +646,22 @@ def main() -> None:
     with open(args.out.with_name(args.out.stem + "-raw.pickle"), "wb") as f:
         pickle.dump({"results": results, "targets": targets}, f)
     report(results, targets, rate_of, args)
+
+
+def rejudge(args: argparse.Namespace) -> None:
+    """The report again from a run's raw pickle, with the token-window judging of this
+    version (the calls and everything measured are the run's own)."""
+    with open(args.report_from, "rb") as f:
+        raw = pickle.load(f)
+    results, targets = raw["results"], raw["targets"]
+    for result in results.values():
+        for point in result["points"].values():
+            for ok_only, field in ((True, "loaded_output_tok_s"), (False, "loaded_streamed_tok_s")):
+                tokens = tokens_in_window(
+                    point["outcomes"], args.duration, ok_only=ok_only, cap_s=args.no_deadline_cap_s
+                )
+                point["summary"][field] = round(tokens / args.duration, 1)
+    report(results, targets, results["streambatch"]["rates"], args)
 
 
 def report(
@@ -769,16 +798,16 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
-        acting = r.get("streambatch_refusing", r["streambatch"])
-        refused = sum(acting["refused"].values())
+        acting = r.get("streambatch_refusing", {})
+        refused = sum(acting["refused"].values()) if acting else None
         would = acting.get("refused_would_have_finished", {}).get("would_have_finished")
         own = r.get("output_tok_s_vs_own_capacity", {})
         lines.append(
             f"| {r['seed']} | {r['load']}x | {r['rate_req_s']:.2f} | {pair(r, 'goodput_req_s')} "
-            f"| {r.get('goodput_ratio_vs_vllm')} | {pair(r, 'high_served_pct')} "
+            f"| {fmt(r.get('goodput_ratio_vs_vllm'))} | {pair(r, 'high_served_pct')} "
             f"| {pair(r, 'high_ttft_p99_ms')} | {pair(r, 'output_tok_s')} "
             f"| {own.get('streambatch')} / {own.get('vllm')} "
-            f"| {refused}{'' if would is None else f' ({would})'} |"
+            f"| {fmt(refused)}{'' if would is None else f' ({would})'} |"
         )
     return "\n".join(lines) + "\n"
 

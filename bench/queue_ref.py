@@ -95,8 +95,11 @@ class ReferenceQueue:
                 break
             tokens += e.cost
             h = self._heaps[best]
-            h.remove((e.seq, e))
-            heapq.heapify(h)
+            if lifo[best // self._buckets]:
+                h.remove((e.seq, e))
+                heapq.heapify(h)
+            else:
+                heapq.heappop(h)  # the oldest: the heap's own order, as before LIFO existed
             out.append(e.id)
         return out
 

@@ -317,8 +317,13 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
   if (config_.lifo_after_ns > 0) {
     for (int p = 0; p < levels; ++p) {
       for (int b = 0; b < buckets; ++b) {
-        for (const Slot& s : fifo(p, b)) {
+        const size_t index = static_cast<size_t>(p) * bucket_count_ + static_cast<size_t>(b);
+        for (const Slot& s : fifos_[index]) {
           if (s.seq < kFirstSeq) continue;
+          if (tombstones_[index] > 0) {  // a cancelled or expired arrival says nothing either
+            const auto it = entries_.find(s.id);
+            if (it == entries_.end() || it->second.seq != s.seq) continue;
+          }
           if (now - s.enqueued_ns >= config_.lifo_after_ns) lifo_level_[static_cast<size_t>(p)] = 1;
           break;
         }

@@ -16,10 +16,11 @@ batch it does not help a top-priority arrival at all.
 
 Deadline-aware admission (pyserver/engine/prediction.py): every call gets a finish-time
 prediction at submit (queue wait from the running and queued requests, plus its own service),
-calibrated against the calls that finished. A call is refused, DEADLINE_EXCEEDED without having
-run, only when even the prediction's lower bound at the refusal confidence misses its deadline
-(or, waiting, its queue timeout); the same bound is checked again when the queue releases it.
-In shadow mode the decision is only recorded (Timings.refusal_predicted), to measure how many
+calibrated against the calls that finished. With `--deadline-admission on` a call is refused,
+DEADLINE_EXCEEDED without having run, only when even the prediction's lower bound at the
+refusal confidence misses its deadline (or, waiting, its queue timeout); the same bound is
+checked again when the queue releases it. In shadow mode (the default) the decision is only
+recorded (Timings.refusal_predicted, and how each flagged call ended), to measure how many
 refusals would have been wrong.
 
 Failure policy: an exception from the engine fails every queued and in-flight request with
@@ -324,6 +325,7 @@ class EngineWorker:
         if status == PushStatus.ACCEPTED:
             return
         del self._items[item.handle]
+        self._settle_refusal_prediction(item)
         if status == PushStatus.QUEUE_FULL:
             raise RequestError(
                 ErrorKind.OVERLOADED,
@@ -481,6 +483,11 @@ class EngineWorker:
         with self._aborts_lock:
             handles, self._aborts = self._aborts, []
         live = [h for h in handles if h in self._running]
+        # Preempted and requeued since the client left: it waits in the queue again, so the
+        # queue cancels it (reported by the next pop) instead of it running for nobody.
+        for h in handles:
+            if h not in self._running and h in self._items:
+                self.queue.cancel(h)
         if live:
             self._engine.abort_request([str(h) for h in live])
         for h in live:
@@ -573,6 +580,7 @@ class EngineWorker:
                     item.request_id, len(prompt), type(exc).__name__, exc,
                 )  # fmt: skip
                 self._items.pop(h, None)
+                self._settle_refusal_prediction(item)
                 err = RequestError(
                     ErrorKind.INVALID,
                     f"the engine refused request {item.request_id}: a sampling setting or the "
@@ -902,6 +910,8 @@ class EngineWorker:
     def _fail_all(self, message: str) -> None:
         err = RequestError(ErrorKind.UNAVAILABLE, message)
         victims = list(self._items.values())
+        for item in victims:
+            self._settle_refusal_prediction(item)
         self._items.clear()
         self._running.clear()
         self._held_blocks.clear()

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from jinja2 import TemplateError
 from streambatch.v1 import generation_pb2 as pb
 
 from pyserver.domain import Delta, ErrorKind, RequestError, Sampling
@@ -180,9 +181,10 @@ def _chat_ids(chat: pb.ChatPrompt, tokenizer: Tokenizer, limits: Limits) -> list
             tokenize=False,
             add_generation_prompt=add,
         )
-    except Exception as exc:  # the template's own check (jinja raise_exception) or its failure
+    except TemplateError as exc:  # the template's own check (raise_exception) or its failure
         # The template's message says what it wants ("roles must alternate ..."); it is the
-        # model's text, not the server's internals.
+        # model's text, not the server's internals. Anything else (no template at all) is the
+        # server's problem, not the caller's, and is not caught here.
         reason = str(exc).splitlines()[0][:200] if str(exc) else "it raised an error"
         raise invalid(
             "prompt.chat.messages", f"the model's chat template rejected them: {reason}"

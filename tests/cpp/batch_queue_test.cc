@@ -213,6 +213,28 @@ TEST(BatchQueue, OverloadedLevelIsServedNewestFirstRequeuedStillFirst) {
   EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 7, 2}));  // the preempted one resumes first
 }
 
+TEST(BatchQueue, ARequeuedOrCancelledRequestAloneDoesNotTurnItsLevelNewestFirst) {
+  Fixture f;
+  f.config.lifo_after_ns = 100 * kMs;
+  auto q = f.make();
+  const Nanos long_ago = f.clock->now_ns();
+  push_ok(q, 1, 10, 0);
+  auto r = q.pop_batch(1, 1000, 0);  // 1 runs ...
+  ASSERT_EQ(r.admitted, (std::vector<RequestId>{1}));
+  f.clock->advance_ns(500 * kMs);
+  push_ok(q, 2, 10, 0);  // ... an old arrival, cancelled, sits behind the requeued one
+  f.clock->advance_ns(200 * kMs);
+  push_ok(q, 3, 10, 0);
+  push_ok(q, 4, 10, 0);
+  // 1 was preempted after running 700 ms: its wait counts from its first arrival. Then 2 is
+  // cancelled: a dead slot behind the requeued front, not dropped as a head.
+  ASSERT_EQ(q.requeue(1, 15, 5, 0, 0, long_ago).status, PushStatus::kAccepted);
+  EXPECT_TRUE(q.cancel(2));
+  r = q.pop_batch(3, 1000, 0);
+  // Only 1 (requeued) and 2 (cancelled) are old: arrival order, 1 first as requeued.
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 3, 4}));
+}
+
 TEST(BatchQueue, CapacityTotalAndPerLevel) {
   Fixture f;
   f.config.capacity = 3;

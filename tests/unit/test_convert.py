@@ -6,6 +6,7 @@ import itertools
 from typing import Any
 
 import pytest
+from jinja2 import TemplateError
 from streambatch.v1 import generation_pb2 as pb
 
 from pyserver.domain import ErrorKind, RequestError
@@ -31,7 +32,7 @@ class StrictTemplate:
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
         roles = [m["role"] for m in conversation]
         if any(a == b for a, b in itertools.pairwise(roles)):
-            raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
+            raise TemplateError("Conversation roles must alternate user/assistant/user/assistant")
         return "".join(f"<{m['role']}>{m['content']}" for m in conversation)
 
 
