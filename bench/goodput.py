@@ -163,7 +163,6 @@ class Outcome:
     total_s: float | None = None
     tokens: int = 0
     predicted_s: float = 0.0  # streambatch's predicted total at submit
-    refusal_predicted: bool = False  # shadow: would have been refused
     sent_at: float = 0.0  # time.perf_counter() when the call was sent
 
 
@@ -195,7 +194,6 @@ async def _streambatch_call(stub: Any, call: Call, cap_s: float) -> Outcome:
             out.tokens += len(msg.token_ids)
             if msg.HasField("timings"):
                 out.predicted_s = msg.timings.predicted_total_ms / 1e3
-                out.refusal_predicted = msg.timings.refusal_predicted
         out.total_s = time.perf_counter() - start
 
     try:
@@ -503,11 +501,8 @@ async def capacity(target: Target, args: argparse.Namespace) -> dict[str, float]
         return {"req_s": 0.0, "output_tok_s": 0.0, "mean_output_tokens": 0.0, "window_s": 0.0}
     start = min(o.sent_at for o in out)
     end = max(o.sent_at for o in out)  # the last call sent: the pool was full until then
-    tokens_in = 0.0
-    for o in ok:
-        done = o.sent_at + (o.total_s or 0.0)
-        tokens_in += o.tokens * max(0.0, min(done, end) - o.sent_at) / max(1e-9, done - o.sent_at)
     window = end - start
+    tokens_in = tokens_in_window(out, window, ok_only=True, cap_s=args.no_deadline_cap_s)
     mean_tokens = float(np.mean([o.tokens for o in ok]))
     # Calls/s from tokens/s over the whole mix's mean length: counting the calls that straddle
     # the end pro rata would favour long ones (the calls still running then are the long ones).

@@ -330,33 +330,11 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
       }
     }
   }
-  // The head request: best by (effective priority, arrival order).
-  int head_bucket = -1, best_eff = -1;
-  std::uint64_t best_key = 0;
-  for (int p = 0; p < levels; ++p) {
-    for (int b = 0; b < buckets; ++b) {
-      const size_t index = static_cast<size_t>(p) * bucket_count_ + static_cast<size_t>(b);
-      auto& q = fifos_[index];
-      if (q.empty()) continue;
-      const bool back = takes_back_locked(index);
-      if (back) drop_dead_tails_locked(index);
-      // Aging lifts a FIFO by its oldest request, whichever end is taken from it: a level
-      // served newest first still climbs as its backlog ages (no starvation below).
-      const int eff = effective_priority(p, q.front().enqueued_ns, now);
-      const std::uint64_t key = order_key((back ? q.back() : q.front()).seq, back);
-      if (eff > best_eff || (eff == best_eff && key < best_key)) {
-        best_eff = eff;
-        best_key = key;
-        head_bucket = b;
-      }
-    }
-  }
-  if (head_bucket < 0) return;
-
-  // Merge the FIFOs by (effective priority desc, bucket distance, bucket, arrival order) of
-  // the slot each would give next. `now` is fixed for the whole selection, so a FIFO's key
-  // changes only when a slot is taken from it: keys are computed once and refreshed for that
-  // one FIFO per pick.
+  // Each FIFO's key: (effective priority desc, bucket distance, bucket, arrival order) of the
+  // slot it would give next. `now` is fixed for the whole selection, so a FIFO's key changes
+  // only when a slot is taken from it: keys are computed once and refreshed for that one FIFO
+  // per pick. The distance is from the head request's bucket, known once every key is.
+  int head_bucket = -1;
   auto& keys = head_keys_;
   keys.resize(fifos_.size());
   auto refresh = [&](size_t index) {
@@ -365,15 +343,27 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
     k.live = !q.empty();
     if (!k.live) return;
     const int p = static_cast<int>(index / bucket_count_);
-    const int b = static_cast<int>(index % bucket_count_);
     k.back = takes_back_locked(index);
     if (k.back) drop_dead_tails_locked(index);
+    // Aging lifts a FIFO by its oldest request, whichever end is taken from it: a level
+    // served newest first still climbs as its backlog ages (no starvation below).
     k.eff = effective_priority(p, q.front().enqueued_ns, now);
-    k.dist = std::abs(b - head_bucket);
-    k.bucket = b;
+    k.bucket = static_cast<int>(index % bucket_count_);
+    k.dist = std::abs(k.bucket - head_bucket);
     k.seq = order_key((k.back ? q.back() : q.front()).seq, k.back);
   };
-  for (size_t i = 0; i < fifos_.size(); ++i) refresh(i);
+  // The head request: best by (effective priority, arrival order).
+  const HeadKey* head = nullptr;
+  for (size_t i = 0; i < fifos_.size(); ++i) {
+    refresh(i);
+    const HeadKey& k = keys[i];
+    if (k.live && (head == nullptr || k.eff > head->eff ||
+                   (k.eff == head->eff && k.seq < head->seq)))
+      head = &k;
+  }
+  if (head == nullptr) return;
+  head_bucket = head->bucket;
+  for (auto& k : keys) k.dist = std::abs(k.bucket - head_bucket);
 
   std::int64_t tokens = 0;
   while (static_cast<std::int64_t>(out.size()) < max_requests) {
