@@ -44,6 +44,7 @@ WATCH = {
     "output processing (detokenize)": ("process_outputs", "v1/engine/output_processor.py"),
     "worker _step (ours)": ("_step", "pyserver/engine/worker.py"),
     "worker _admit (ours)": ("_admit", "pyserver/engine/worker.py"),
+    "step outputs (ours)": ("collect", "pyserver/engine/outputs.py"),
     "publish to loop (ours)": ("_publish", "pyserver/engine/worker.py"),
     "servicer Generate (ours)": ("Generate", "pyserver/service/servicer.py"),
     "servicer _deltas (ours)": ("_deltas", "pyserver/service/servicer.py"),

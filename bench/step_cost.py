@@ -23,8 +23,7 @@ import numpy as np
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
-from pyserver.engine import EngineOptions
-from pyserver.engine.worker import build_engine
+from pyserver.engine import EngineOptions, build_engine
 from pyserver.model import pull_default_model
 
 
@@ -43,7 +42,7 @@ def main() -> None:
             max_num_seqs=args.max_num_seqs,
             enforce_eager=not args.compiled,
         )
-    )
+    ).llm  # vLLM's LLMEngine itself: this bench times raw engine steps
     build_s = time.perf_counter() - started
     print(f"engine built in {build_s:.1f} s", file=sys.stderr)
     next_id = 0

@@ -131,8 +131,6 @@ class WorkItem:
     finished_ns: int = 0
     completion_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)  # kept to resume after preemption
-    reserved_tokens: int = 0  # KV tokens reserved while in the engine
-    kv_blocks: list[int] = field(default_factory=list)  # its prompt blocks' hashes, in the engine
     preemptions: int = 0
     span: Any = None  # the call's RPC span, for engine-step span links (opaque here)
     prediction: Any = None  # the worker's finish-time Prediction at submit (opaque here)

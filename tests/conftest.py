@@ -86,8 +86,7 @@ class LiveServer:
         return not self.worker._running and not self.worker._engine.has_unfinished_requests()
 
 
-@pytest.fixture(scope="session")
-def live_server() -> Iterator[LiveServer]:
+def _run_server(separate_process: bool) -> Iterator[LiveServer]:
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -97,7 +96,11 @@ def live_server() -> Iterator[LiveServer]:
     from pyserver.telemetry.tracing import make_tracer_provider
 
     settings = ServerSettings(
-        engine=EngineOptions(model=str(pull_default_model()), max_num_seqs=ENGINE_SEQS),
+        engine=EngineOptions(
+            model=str(pull_default_model()),
+            max_num_seqs=ENGINE_SEQS,
+            separate_process=separate_process,
+        ),
         port=0,
         queue_capacity=QUEUE_CAPACITY,
         aging_interval_s=60.0,
@@ -139,3 +142,19 @@ def live_server() -> Iterator[LiveServer]:
     asyncio.run_coroutine_threadsafe(server.drain(), loop).result(60)
     thread.join(30)
     otlp.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[LiveServer]:
+    """The server with vLLM's engine core in this process (streambatch's CPU default)."""
+    yield from _run_server(separate_process=False)
+
+
+@pytest.fixture(scope="session", params=["inproc", "separate"])
+def engine_server(request: pytest.FixtureRequest, live_server: LiveServer) -> Iterator[LiveServer]:
+    """The engine-facing tests run with the engine core in this process and in its own: the
+    same scheduling must hold either way."""
+    if request.param == "inproc":
+        yield live_server
+    else:
+        yield from _run_server(separate_process=True)

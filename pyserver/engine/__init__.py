@@ -1,21 +1,25 @@
-"""The engine worker: the only package that imports vllm."""
+"""The engine side: the worker thread, its pure policies, and the adapter that is the only code
+touching vLLM (pyserver.engine.adapter)."""
 
 from __future__ import annotations
 
-from pyserver.engine.worker import (
+from pyserver.engine.adapter import (
+    Engine,
+    EngineConfigError,
     EngineOptions,
-    EngineStats,
-    EngineWorker,
     build_engine,
     on_passing_thread,
-    step_token_budget,
+    parse_vllm_flags,
 )
+from pyserver.engine.worker import EngineStats, EngineWorker
 
 __all__ = [
+    "Engine",
+    "EngineConfigError",
     "EngineOptions",
     "EngineStats",
     "EngineWorker",
     "build_engine",
     "on_passing_thread",
-    "step_token_budget",
+    "parse_vllm_flags",
 ]

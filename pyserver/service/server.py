@@ -10,6 +10,7 @@ end UNAVAILABLE and the process exits 1 for its supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import signal
@@ -24,7 +25,7 @@ from streambatch.v1 import generation_pb2 as pb
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
 from pyserver.batching import make_config
-from pyserver.engine import EngineOptions, EngineWorker, build_engine, step_token_budget
+from pyserver.engine import Engine, EngineOptions, EngineWorker, build_engine
 from pyserver.scheduling import AdaptiveBatchController
 from pyserver.service.convert import Limits
 from pyserver.service.security import (
@@ -72,7 +73,6 @@ class ServerSettings:
     tls_key: str = ""
     tls_client_ca: str = ""  # set: mutual TLS, a client certificate signed by this CA required
     auth_tokens: tuple[bytes, ...] = ()  # non-empty: bearer-token auth on all but health
-    fault_after_steps: int = 0  # test-only: the engine step raises after this many (0: never)
     tracing: str = "off"  # off | console | otlp (OTEL_* variables configure the exporter)
     record_content: bool = False  # prompts/completions in spans: never unless asked
     latency_slo_ms: float = 0.0  # > 0 turns the adaptive batch controller on
@@ -108,7 +108,7 @@ class StreambatchServer:
         self._draining = False
         self._drain_task: asyncio.Future[None] | None = None
 
-    async def start(self, *, engine: Any | None = None) -> None:
+    async def start(self, *, engine: Engine | None = None) -> None:
         """Open the port, then load the engine (off the loop) and turn SERVING."""
         s = self.settings
         interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -160,12 +160,19 @@ class StreambatchServer:
 
         loop = asyncio.get_running_loop()
         if engine is None:
-            engine = await loop.run_in_executor(None, build_engine, s.engine)
+            options = dataclasses.replace(
+                s.engine, step_tokens=s.step_tokens, top_priority=s.priority_levels - 1
+            )
+            try:
+                engine = await loop.run_in_executor(None, build_engine, options)
+            except BaseException:
+                await self._server.stop(0)  # no gRPC server left running on a closed loop
+                raise
         step_tracer = StepTracer(self.tracer_provider, s.trace_engine_steps)
         controller = None
         if s.latency_slo_ms > 0:
             tokens = s.controller_knob == "step_tokens"
-            max_limit = step_token_budget(engine) if tokens else s.engine.max_num_seqs
+            max_limit = engine.max_step_tokens if tokens else s.engine.max_num_seqs
             controller = AdaptiveBatchController(
                 s.latency_slo_ms,
                 max_limit,
@@ -185,10 +192,8 @@ class StreambatchServer:
             step_tracer=step_tracer if step_tracer.enabled else None,
             controller=controller,
             controller_knob=s.controller_knob,
-            step_hook=_fault_after(s.fault_after_steps) if s.fault_after_steps else None,
             preempt_after_s=s.preempt_after_s,
             reserved_top_slots=s.reserved_top_slots,
-            step_tokens=s.step_tokens,
             deadline_admission=s.deadline_admission,
             refusal_confidence=s.refusal_confidence,
         )
@@ -291,24 +296,6 @@ class StreambatchServer:
     async def wait(self) -> int:
         await self._stopped.wait()
         return self.exit_code
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the test-only fault hook (--test-fault-after-steps)."""
-
-
-def _fault_after(steps: int) -> Any:
-    """A step hook that lets `steps` engine steps run, then raises on every later one."""
-    count = 0
-
-    def hook() -> None:
-        nonlocal count
-        count += 1
-        if count > steps:
-            log.error("injected engine fault after %d steps (test hook)", steps)
-            raise InjectedFault(f"injected fault after {steps} engine steps")
-
-    return hook
 
 
 class _StartingServicer(pb_grpc.GenerationServicer):

@@ -72,13 +72,19 @@ def run_stream(
     return result
 
 
-def spawn_server(port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """`streambatch serve` in its own process (small engine, long drain grace), output to `log`."""
+def spawn_server(
+    port: int, log: Path, *extra: str, fault_after_steps: int = 0
+) -> subprocess.Popen[bytes]:
+    """`streambatch serve` in its own process (small engine, long drain grace), output to `log`;
+    with fault_after_steps, its engine step raises after that many (tests/.../fault_server.py)."""
+    launcher = (
+        [str(Path(__file__).with_name("fault_server.py")), str(fault_after_steps)]
+        if fault_after_steps
+        else ["-m", "pyserver.cli", "serve"]
+    )
     cmd = [
         sys.executable,
-        "-m",
-        "pyserver.cli",
-        "serve",
+        *launcher,
         "--port",
         str(port),
         "--max-num-seqs",

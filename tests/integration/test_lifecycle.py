@@ -29,7 +29,8 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
     port = free_port()
     target = f"127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    proc = spawn_server(port, log)
+    # vLLM's own spellings: a bare boolean, and an engine flag streambatch does not define.
+    proc = spawn_server(port, log, "--enforce-eager", "--long-prefill-token-threshold", "512")
     try:
         channel = grpc.insecure_channel(target)
         seen_not_serving = wait_serving(channel, proc, log)
@@ -65,3 +66,17 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         assert proc.wait(120) == 0
     finally:
         stop(proc)
+
+
+def test_an_engine_configuration_vllm_rejects_ends_serve_with_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SmolLM2-135M has 9 attention heads, which 2 does not divide."""
+    log = tmp_path / "server.log"
+    proc = spawn_server(free_port(), log, "--tensor-parallel-size", "2")
+    try:
+        assert proc.wait(300) == 2, log.read_text(errors="replace")[-2000:]
+    finally:
+        stop(proc)
+    lines = log.read_text(errors="replace").strip().splitlines()
+    assert lines[-1].startswith("streambatch serve: error: vLLM rejected the engine configuration")
+    assert "tensor parallel size (2)" in lines[-1], lines[-1]
+    assert not [line for line in lines if "Traceback" in line or "Event loop is closed" in line]

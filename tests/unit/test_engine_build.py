@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pyserver.engine import EngineOptions, build_engine
-from pyserver.engine import worker as worker_module
+from pyserver.engine.adapter import build as build_module
 
 
 def test_the_building_thread_has_exited_when_the_engine_is_returned(
@@ -20,7 +20,7 @@ def test_the_building_thread_has_exited_when_the_engine_is_returned(
         builders.append(threading.current_thread())
         return ("engine", options.model)
 
-    monkeypatch.setattr(worker_module, "_construct_engine", construct)
+    monkeypatch.setattr(build_module, "_construct_engine", construct)
     assert build_engine(EngineOptions(model="m")) == ("engine", "m")
     (builder,) = builders
     assert builder is not threading.current_thread()
@@ -31,6 +31,6 @@ def test_a_failed_build_raises_in_the_caller(monkeypatch: pytest.MonkeyPatch) ->
     def construct(options: EngineOptions) -> Any:
         raise RuntimeError("no such model")
 
-    monkeypatch.setattr(worker_module, "_construct_engine", construct)
+    monkeypatch.setattr(build_module, "_construct_engine", construct)
     with pytest.raises(RuntimeError, match="no such model"):
         build_engine(EngineOptions(model="m"))

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from pyserver.domain import Mailbox, RequestError, Sampling, WorkItem
+from pyserver.engine.deadlines import DeadlineAdmission, EngineView
+from pyserver.engine.kv_ledger import KvLedger
 from pyserver.engine.prediction import MIN_SAMPLES, FinishTimePredictor, Job, Prediction, Ratios
-from pyserver.engine.worker import EngineWorker
 from pyserver.telemetry.metrics import Metrics
 
 
@@ -127,22 +128,19 @@ def test_nothing_is_predicted_before_a_step_is_measured() -> None:
         FinishTimePredictor(1.0)
 
 
-def _worker(predictor: FinishTimePredictor, running: list[tuple[int, float]]) -> EngineWorker:
-    """An EngineWorker with only what _predict reads: running (priority, remaining steps)."""
-    w = EngineWorker.__new__(EngineWorker)
-    w.predictor = predictor
-    w._running_view = (
+def _admission(
+    predictor: FinishTimePredictor, running: list[tuple[int, float]]
+) -> tuple[DeadlineAdmission, EngineView]:
+    """Deadline admission with `predictor`, and an engine running (priority, remaining steps)."""
+    d = DeadlineAdmission("on", 0.95, Metrics(), top_priority=1, preempts_at_once=True)
+    d.predictor = predictor
+    view = EngineView(
         frozenset(range(len(running))),
         tuple(steps for _, steps in running),
         sum(1 for prio, _ in running if prio < 1),
+        slots=len(running),
     )
-    w._items = {}
-    w._top_priority = 1
-    w._preempt_after_ns = 0
-    w.concurrency_limit = len(running)
-    w.deadline_admission = "on"
-    w._metrics = Metrics()
-    return w
+    return d, view
 
 
 def _item(handle: int, priority: int, max_tokens: int, deadline_s: float) -> WorkItem:
@@ -160,53 +158,55 @@ def _item(handle: int, priority: int, max_tokens: int, deadline_s: float) -> Wor
 
 
 def test_a_top_priority_call_that_will_preempt_is_predicted_without_a_queue_wait() -> None:
-    w = _worker(fed([0.05] * 20), running=[(0, 50.0), (0, 60.0)])  # full of low calls
+    d, view = _admission(fed([0.05] * 20), running=[(0, 50.0), (0, 60.0)])  # full of low calls
     high, low = _item(100, 1, 20, 60.0), _item(101, 0, 20, 60.0)
-    w._predict(high, 0)
-    w._predict(low, 0)
+    d.predict(high, 0, view, [])
+    d.predict(low, 0, view, [])
     assert high.prediction.wait_raw_s == 0.0
     assert low.prediction.wait_raw_s == pytest.approx(50 * 0.05)
 
 
 def test_the_worker_refuses_below_the_lower_bound_and_shadow_only_records() -> None:
-    w = _worker(fed([0.05] * 20), running=[(0, 5.0)])
+    d, view = _admission(fed([0.05] * 20), running=[(0, 5.0)])
     # 200 fixed steps of 50 ms: at least 0.5 x 10 s (the prior) against a 2 s deadline.
     with pytest.raises(RequestError, match="predicted to finish in"):
-        w._predict(_item(1, 0, 200, 2.0), 0)
-    w._predict(fine := _item(2, 0, 200, 30.0), 0)
+        d.predict(_item(1, 0, 200, 2.0), 0, view, [])
+    d.predict(fine := _item(2, 0, 200, 30.0), 0, view, [])
     assert not fine.refusal_predicted
-    w.deadline_admission = "shadow"
-    w._predict(late := _item(3, 0, 200, 2.0), 0)
+    d.mode = "shadow"
+    d.predict(late := _item(3, 0, 200, 2.0), 0, view, [])
     assert late.refusal_predicted
 
 
 def test_a_flagged_call_is_counted_by_how_it_ended() -> None:
     """Shadow mode's error rate counts every flagged call, also one that missed (its client
     saw no final message carrying the flag)."""
-    w = _worker(fed([0.05] * 20), running=[])
-    count = w._metrics.refusal_predictions
+    metrics = Metrics()
+    d = DeadlineAdmission("shadow", 0.95, metrics, top_priority=1, preempts_at_once=True)
+    count = metrics.refusal_predictions
     finished, missed = _item(1, 0, 10, 30.0), _item(2, 0, 10, 30.0)
     finished.refusal_predicted = missed.refusal_predicted = True
     finished.finished_ns = time.monotonic_ns()
-    w._settle_refusal_prediction(finished)
-    w._settle_refusal_prediction(missed)  # expired or cancelled: never finished
-    w._settle_refusal_prediction(_item(3, 0, 10, 30.0))  # not flagged: not counted
+    d.settle(finished)
+    d.settle(missed)  # expired or cancelled: never finished
+    d.settle(_item(3, 0, 10, 30.0))  # not flagged: not counted
     assert count.labels("finished")._value.get() == 1
     assert count.labels("missed")._value.get() == 1
 
 
 def test_kv_reservation_counts_a_prompt_block_that_a_running_request_holds_once() -> None:
-    w = EngineWorker.__new__(EngineWorker)
-    w._block_size, w._held_blocks, w._reserved_tokens, w._running = 4, {}, 0, {}
+    kv = KvLedger(capacity_tokens=1000, block_size=4)
     doc = list(range(100, 112))  # three full blocks of a shared document
-    a, b, c = _item(1, 0, 8, 60.0), _item(2, 0, 8, 60.0), _item(3, 0, 8, 60.0)
-    w._reserve(a, [*doc, 1, 2], 8)
-    w._reserve(b, [*doc, 3, 4, 5, 6], 8)  # the document's blocks are shared, its own is new
-    w._reserve(c, [0, *doc], 8)  # shifted by one token: no block matches
-    assert (a.reserved_tokens, b.reserved_tokens, c.reserved_tokens) == (14 + 8, 4 + 8, 13 + 8)
-    for h, item in ((1, a), (2, b), (3, c)):
-        w._running[h] = item
-    w._leave_engine(1)
-    w._leave_engine(2)
-    w._leave_engine(3)
-    assert w._held_blocks == {} and w._reserved_tokens == 0
+    reserved = (
+        kv.reserve(1, [*doc, 1, 2], 8),
+        kv.reserve(2, [*doc, 3, 4, 5, 6], 8),  # the document's blocks are shared, its own new
+        kv.reserve(3, [0, *doc], 8),  # shifted by one token: no block matches
+    )
+    assert reserved == (14 + 8, 4 + 8, 13 + 8)
+    assert kv.room == 1000 - sum(reserved)
+    kv.release(1)
+    assert kv.reserve(4, [*doc, 9], 8) == 1 + 8  # request 2 still holds the document
+    for h in (2, 3, 4):
+        kv.release(h)
+    assert kv.reserved_tokens == 0 and kv.room == 1000
+    assert kv.reserve(5, doc, 0) == 12  # no holder left: the document counts in full again

@@ -1,0 +1,176 @@
+"""The engine as streambatch drives it: vLLM's LLMEngine behind a small facade (add, abort,
+step, the facts the worker sizes itself by), its public stats, and vLLM's step outputs turned
+into plain records."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pyserver.domain import Sampling
+
+log = logging.getLogger(__name__)
+
+
+class VllmStats:
+    """What vLLM's public stats say of its engine core, wherever that runs: fed by a custom
+    stat logger (vLLM's StatLoggerBase) that LLMEngine calls after every step."""
+
+    def __init__(self) -> None:
+        self.preemptions = 0  # vLLM's own (KV exhausted: a running request evicted, recomputed)
+        self.kv_cache_usage: float | None = None  # as of the last step; None before one
+        self.on_preemptions: Callable[[int], None] | None = None
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is not None:
+            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+        preempted = int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+        if preempted:
+            self.preemptions += preempted
+            if self.on_preemptions is not None:
+                self.on_preemptions(preempted)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One request's part of an engine step."""
+
+    handle: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # vLLM's: "length", "stop", "abort", ...
+    cached_tokens: int  # prompt tokens the prefix cache served
+
+
+class Engine:
+    """A built engine: vLLM's LLMEngine and the handles streambatch keeps on it."""
+
+    def __init__(self, llm: Any, stats: VllmStats, engine_id: str) -> None:
+        from vllm.exceptions import VLLMClientError
+
+        self.llm = llm
+        self.stats = stats
+        self.engine_id = engine_id
+        # What vLLM raises for a bad request before it touches engine state.
+        self._request_errors: tuple[type[Exception], ...] = (VLLMClientError, ValueError)
+        config = llm.vllm_config
+        self.max_model_len: int = int(llm.model_config.max_model_len)
+        self.max_num_seqs: int = int(config.scheduler_config.max_num_seqs)
+        self.vocab_size: int = int(llm.model_config.get_vocab_size())
+        cache = config.cache_config
+        self.block_size: int = int(cache.block_size)
+        self.prefix_caching: bool = bool(cache.enable_prefix_caching)
+        self.kv_capacity_tokens: int = int(cache.num_gpu_blocks or 0) * self.block_size
+        # The most one step may compute (the input buffers are sized for it), and what normal
+        # steps get (--step-tokens, vLLM's max_num_scheduled_tokens; else the most).
+        self.max_step_tokens: int = int(config.scheduler_config.max_num_batched_tokens)
+        self.step_token_budget: int = int(
+            config.scheduler_config.max_num_scheduled_tokens or self.max_step_tokens
+        )
+
+    @property
+    def version(self) -> str:
+        import vllm
+
+        return f"vllm {vllm.__version__}"
+
+    def get_tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    def add(
+        self, handle: int, prompt: list[int], sampling: Sampling, priority: int, request_id: str
+    ) -> bool:
+        """Hand a request to vLLM at streambatch `priority`; False when vLLM refuses it as a bad
+        request (logged with vLLM's reason; the engine is fine). Anything else raises: the
+        engine failed. The log gets vLLM's text but never the caller's: no prompt, no sampling
+        settings (they hold stop strings)."""
+        try:
+            self.llm.add_request(
+                str(handle),
+                {"prompt_token_ids": prompt},
+                sampling_params(sampling),
+                priority=-priority,  # lower is more urgent in vLLM
+            )
+        except self._request_errors as exc:
+            log.warning(
+                "engine refused request %s (%d prompt tokens): %s: %s",
+                request_id, len(prompt), type(exc).__name__, exc,
+            )  # fmt: skip
+            return False
+        return True
+
+    def abort(self, handles: Sequence[int]) -> None:
+        if handles:
+            self.llm.abort_request([str(h) for h in handles])
+
+    def step(self) -> list[StepOutput]:
+        out = []
+        for o in self.llm.step():
+            c = o.outputs[0]
+            out.append(
+                StepOutput(
+                    int(o.request_id),
+                    list(c.token_ids),
+                    c.text,
+                    bool(o.finished),
+                    c.finish_reason,
+                    int(o.num_cached_tokens or 0),
+                )
+            )
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.llm.has_unfinished_requests())
+
+    def local_scheduler(self) -> Any | None:
+        """The PriorityPrefillScheduler when the engine core runs in this process, else None."""
+        from pyserver.engine.adapter.scheduler import local_instance
+
+        return local_instance(self.engine_id)
+
+    def set_step_token_budget(self, tokens: int) -> None:
+        """Every step's token budget from the next one on, urgent prefills included (a latency
+        controller's knob: a step that prefills a whole prompt is a token gap for every other
+        stream). Needs the engine core in this process."""
+        sched = self.local_scheduler()
+        if sched is None:
+            raise ValueError(
+                "--controller-knob step_tokens needs the engine in this process "
+                "(--engine-process inproc): the per-step budget is set on vLLM's scheduler"
+            )
+        sched.set_step_token_budget(tokens, cap_urgent_steps=True)
+        self.step_token_budget = tokens
+
+    def kv_cache_usage(self) -> float | None:
+        """vLLM's KV block usage (0..1; blocks kept only for the prefix cache count as free):
+        from the scheduler in this process (current also after aborts between steps), else as
+        of the engine core's last step."""
+        sched = self.local_scheduler()
+        if sched is not None:
+            return float(sched.get_kv_cache_usage())
+        # Aborts between steps free blocks without a step to report it; with no request left
+        # vLLM holds no block for one (prefix-cache-only blocks count as free).
+        return self.stats.kv_cache_usage if self.has_unfinished_requests() else 0.0
+
+
+def sampling_params(s: Sampling) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else -1 if s.top_k < 0 else 0,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        ignore_eos=s.ignore_eos,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_tokens=s.min_tokens,
+        output_kind=RequestOutputKind.DELTA,
+    )

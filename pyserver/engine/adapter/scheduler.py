@@ -1,0 +1,95 @@
+"""streambatch's engine-side policy as a vLLM Scheduler subclass, passed through vLLM's
+`scheduler_cls` so it runs wherever vLLM's engine core runs (in this process or its own).
+
+The rule (pyserver.engine.prefill_hold): while a top-priority prompt prefills, lower-priority
+prefills sit out the step and the step's token budget ends with the urgent prompts. The
+subclass changes only its own state, and only for the span of its own schedule(): the held
+requests leave its running list and come back behind every other running request (vLLM hands
+its token budget to running requests in list order, so a prefill chunk ahead of decodes could
+take it all and make those streams skip a step), and the budget goes back to the normal one.
+
+Configured through vLLM's `additional_config` (key "streambatch": `top_priority`, vLLM's
+priority of streambatch's top level; `engine_id`, so the worker finds the instance built in its
+own process); imported by vLLM by qualified name, in the engine core's process.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from pyserver.engine.prefill_hold import plan_urgent_step
+
+CONFIG_KEY = "streambatch"
+QUALNAME = "pyserver.engine.adapter.scheduler.PriorityPrefillScheduler"
+# Where vLLM schedules asynchronously (on a GPU: the next step is scheduled while the device
+# runs this one), on top of its AsyncScheduler. Not exercised here: no GPU build of vLLM.
+ASYNC_QUALNAME = "pyserver.engine.adapter.scheduler.AsyncPriorityPrefillScheduler"
+
+_local: dict[str, weakref.ref[_PriorityPrefill]] = {}
+_local_lock = threading.Lock()
+
+
+class _PriorityPrefill(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        conf = self.vllm_config.additional_config.get(CONFIG_KEY, {})
+        self._top_priority = int(conf.get("top_priority", 0))
+        self._normal_budget = int(self.max_num_scheduled_tokens)
+        self._urgent_limit = int(self.scheduler_config.max_num_batched_tokens)
+        self._cap_urgent_steps = False
+        if engine_id := conf.get("engine_id"):
+            with _local_lock:
+                _local[str(engine_id)] = weakref.ref(self)
+
+    @property
+    def step_token_budget(self) -> int:
+        return self._normal_budget
+
+    def set_step_token_budget(self, tokens: int, *, cap_urgent_steps: bool) -> None:
+        """The budget of normal steps from the next one on (a latency controller's knob; call
+        it between steps, from the thread that steps the engine). With cap_urgent_steps no step,
+        urgent or not, exceeds it: a step that prefills a whole prompt is a token gap for every
+        other stream, which a latency SLO counts."""
+        self._normal_budget = tokens
+        self._cap_urgent_steps = cap_urgent_steps
+        self.max_num_scheduled_tokens = tokens
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        # Requests that hold KV blocks (KV connectors) go before the waiting queue: the waiting
+        # order is then not the one the rule sizes the budget for.
+        holding = getattr(self, "kv_holding_waiting", None)
+        waiting = () if holding else self.waiting
+        limit = self._normal_budget if self._cap_urgent_steps else self._urgent_limit
+        plan = plan_urgent_step(self.running, waiting, top=self._top_priority, limit=limit)
+        if plan is None:
+            return super().schedule(*args, **kwargs)
+        if plan.held:
+            held = {id(r) for r in plan.held}
+            self.running = [r for r in self.running if id(r) not in held]
+        self.max_num_scheduled_tokens = plan.token_budget
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            if plan.held:
+                self.running = self.running + plan.held
+            self.max_num_scheduled_tokens = self._normal_budget
+
+
+class PriorityPrefillScheduler(_PriorityPrefill):
+    pass
+
+
+class AsyncPriorityPrefillScheduler(_PriorityPrefill, AsyncScheduler):
+    pass
+
+
+def local_instance(engine_id: str) -> _PriorityPrefill | None:
+    """The scheduler of the engine built with `engine_id` if its core runs in this process."""
+    with _local_lock:
+        ref = _local.get(engine_id)
+    return ref() if ref is not None else None

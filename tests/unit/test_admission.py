@@ -1,0 +1,66 @@
+"""Admission room, victim choice and resumption (pyserver.engine.admission), without vLLM."""
+
+from __future__ import annotations
+
+import time
+
+from pyserver.domain import Mailbox, Sampling, WorkItem
+from pyserver.engine.admission import admission_room, can_wait_for, preemption_victims, resumed
+
+
+def item(handle: int, priority: int, done: int = 0, deadline_s: float = 0.0) -> WorkItem:
+    now = time.monotonic_ns()
+    it = WorkItem(
+        handle=handle,
+        request_id=str(handle),
+        prompt_token_ids=[1, 2, 3],
+        sampling=Sampling(max_tokens=20, min_tokens=5),
+        priority=priority,
+        deadline_ns=now + int(deadline_s * 1e9) if deadline_s else 0,
+        accepted_ns=now,
+        mailbox=Mailbox(),
+    )
+    it.completion_tokens = done
+    it.output_token_ids = list(range(done))
+    return it
+
+
+def test_without_a_reserve_every_free_slot_is_room() -> None:
+    room = admission_room(limit=8, running=5, running_top=0, reserved_top=0, top_waiting=0)
+    assert room == 3
+
+
+def test_reserved_slots_take_only_waiting_top_requests() -> None:
+    # 8 slots, 2 reserved: 6 low requests fill the shared part; the reserve waits for top ones.
+    assert admission_room(limit=8, running=6, running_top=0, reserved_top=2, top_waiting=0) == 0
+    assert admission_room(limit=8, running=6, running_top=0, reserved_top=2, top_waiting=1) == 1
+    # Top requests beyond the reserve use shared slots: of 6, 4 low and 1 top leave 1.
+    assert admission_room(limit=8, running=7, running_top=3, reserved_top=2, top_waiting=0) == 1
+    assert admission_room(limit=8, running=7, running_top=1, reserved_top=2, top_waiting=0) == 0
+
+
+def test_victims_are_the_lowest_priority_least_progressed_that_can_wait() -> None:
+    running = [item(1, 1, 10), item(2, 0, 30), item(3, 0, 5), item(4, 0, 1, deadline_s=0.5)]
+    urgent = {4}  # has a deadline it could not keep if it waited
+    victims = preemption_victims(
+        running, top=2, needed=2, can_wait=lambda it: it.handle not in urgent
+    )
+    assert [v.handle for v in victims] == [3, 2]
+
+
+def test_a_request_with_a_deadline_is_preempted_only_if_it_can_wait_its_rest() -> None:
+    now = time.monotonic_ns()
+    assert can_wait_for(item(1, 0), now, remaining_service_s=100.0)  # no deadline
+    assert can_wait_for(item(2, 0, deadline_s=10.0), now, remaining_service_s=4.0)
+    assert not can_wait_for(item(3, 0, deadline_s=10.0), now, remaining_service_s=6.0)
+
+
+def test_a_resumed_request_carries_its_output_and_has_that_much_less_to_go() -> None:
+    fresh = item(1, 0)
+    assert resumed(fresh) == (fresh.prompt_token_ids, fresh.sampling)
+    back = item(2, 0, done=7)
+    back.last_token_ns = 123
+    prompt, sampling = resumed(back)
+    assert prompt == [1, 2, 3, *range(7)]
+    assert (sampling.max_tokens, sampling.min_tokens) == (13, 0)
+    assert back.last_token_ns == 0  # the requeued time is not an inter-token gap

@@ -1,0 +1,91 @@
+"""The prefill rule (pyserver.engine.prefill_hold) on stand-in requests: which requests sit
+out a step and the step's token budget. Priorities are vLLM's: -1 is streambatch's top level
+here, 0 the one below."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyserver.engine.prefill_hold import plan_urgent_step
+
+TOP = -1
+LIMIT = 512  # the engine's full per-step budget
+
+
+@dataclass
+class Req:  # the fields of vllm.v1.request.Request the rule reads
+    name: str
+    priority: int
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+
+def test_low_prefills_sit_out_while_a_top_request_prefills() -> None:
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    low_decode = Req("low-decode", 0, 120, 100, 20)
+    top_prefill = Req("top-prefill", -1, 0, 50)
+    plan = plan_urgent_step([low_prefill, low_decode, top_prefill], [], top=TOP, limit=LIMIT)
+    assert plan is not None
+    assert plan.held == [low_prefill]  # decodes are never held
+    assert plan.token_budget == 1 + 50  # the decode and the whole urgent prompt, nothing more
+
+
+def test_urgent_prompts_share_the_step_and_its_budget_ends_with_them() -> None:
+    # A step costs mostly its fixed part: urgent prompts go together, whole, and nothing else
+    # (no low-priority prompt, no chunk of one) lengthens their step.
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    decodes = [Req("d1", 0, 120, 100, 20), Req("d2", -1, 60, 50, 10)]
+    top_started = Req("top-started", -1, 64, 100)
+    waiting = [Req("top-a", -1, 0, 90), Req("top-b", -1, 0, 130), Req("low-new", 0, 0, 50)]
+    plan = plan_urgent_step([low_prefill, *decodes, top_started], waiting, top=TOP, limit=LIMIT)
+    assert plan is not None
+    assert plan.held == [low_prefill]
+    assert plan.token_budget == 2 + 36 + 90 + 130
+
+
+def test_an_urgent_prompt_that_does_not_fit_whole_waits_for_the_next_step() -> None:
+    decodes = [Req("d1", 0, 120, 100, 20), Req("d2", 0, 60, 50, 10)]
+    waiting = [Req("top-a", -1, 0, 300), Req("top-b", -1, 0, 300)]
+    plan = plan_urgent_step(decodes, waiting, top=TOP, limit=LIMIT)
+    assert plan is not None and plan.token_budget == 2 + 300  # not 512: top-b is not cut
+
+
+def test_an_urgent_prompt_longer_than_the_engines_budget_is_chunked() -> None:
+    decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(3)]
+    plan = plan_urgent_step(decodes, [Req("top-huge", -1, 0, 2000)], top=TOP, limit=LIMIT)
+    assert plan is not None and plan.token_budget == LIMIT
+
+
+def test_a_latency_cap_bounds_the_urgent_step() -> None:
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    plan = plan_urgent_step([low_prefill], [Req("top", -1, 0, 300)], top=TOP, limit=96)
+    assert plan is not None
+    assert plan.held == [low_prefill]  # the urgent prompt still goes first
+    assert plan.token_budget == 96  # chunked to the cap: the step respects the latency SLO
+
+
+def test_a_lower_priority_waiting_head_changes_nothing() -> None:
+    plan = plan_urgent_step(
+        [Req("d", 0, 120, 100, 20)], [Req("low-new", 0, 0, 90)], top=TOP, limit=LIMIT
+    )
+    assert plan is None
+
+
+def test_nothing_is_held_without_a_prefilling_top_request() -> None:
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    top_decode = Req("top-decode", -1, 90, 50, 40)
+    assert plan_urgent_step([low_prefill, top_decode], [], top=TOP, limit=LIMIT) is None
+
+
+def test_a_top_request_resumed_after_an_engine_preemption_counts_as_prefilling() -> None:
+    # vLLM recomputes a preempted request from scratch: its prompt and earlier output again.
+    resumed = Req("top-resumed", -1, 0, 100, 30)
+    low_prefill = Req("low-prefill", 0, 32, 400)
+    plan = plan_urgent_step([low_prefill, resumed], [], top=TOP, limit=LIMIT)
+    assert plan is not None and plan.held == [low_prefill]
+    assert plan.token_budget == 130
