@@ -199,6 +199,11 @@ class EngineWorker:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def shutdown_engine(self) -> None:
+        """Once the worker thread has ended: stop the engine (its core's process, if separate)."""
+        if not self._thread.is_alive():
+            self._engine.shutdown()
+
     # ---- the worker thread ----------------------------------------------------------------
 
     def _run(self) -> None:

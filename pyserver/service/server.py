@@ -284,6 +284,7 @@ class StreambatchServer:
             await self._server.stop(grace=1.0)
         if self.worker is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.worker.join, 5.0)
+            self.worker.shutdown_engine()
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()  # flushes the batch span processors
         self._stopped.set()

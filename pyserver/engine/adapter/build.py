@@ -92,7 +92,13 @@ class EngineConfigError(ValueError):
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    """vLLM's reason: pydantic's messages without its framing (input dump, docs link)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):  # pydantic.ValidationError
+        text = "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors())
+    else:
+        text = str(exc)
+    return " ".join(text.split()) or type(exc).__name__
 
 
 # Set by streambatch itself: its scheduling depends on them, and its metrics on vLLM's stats.
@@ -111,13 +117,14 @@ def parse_vllm_flags(argv: list[str]) -> dict[str, Any]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="streambatch serve", add_help=False)
+    parser = FlexibleArgumentParser(prog="streambatch serve", add_help=False)  # type: ignore[no-untyped-call]
     EngineArgs.add_cli_args(parser)
     given, defaults = parser.parse_args(argv), parser.parse_args([])
-    flags = {k: v for k, v in vars(given).items() if v != getattr(defaults, k)}
+    named = {t.split("=")[0].lstrip("-").replace("-", "_") for t in argv if t.startswith("--")}
     for name in _RESERVED_VLLM_FLAGS:
-        if name in flags:
+        if name in named:
             parser.error(f"--{name.replace('_', '-')} is set by streambatch itself")
+    flags = {k: v for k, v in vars(given).items() if v != getattr(defaults, k)}
     return flags
 
 

@@ -122,6 +122,14 @@ class Engine:
             )
         return out
 
+    def shutdown(self) -> None:
+        """Stop the engine core (and its process, if separate); after a failure it may be gone
+        already, which is logged, not raised: the server is on its way out either way."""
+        try:
+            self.llm.engine_core.shutdown()
+        except Exception:
+            log.warning("engine shutdown failed", exc_info=True)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.llm.has_unfinished_requests())
 

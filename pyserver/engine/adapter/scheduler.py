@@ -37,7 +37,8 @@ _local_lock = threading.Lock()
 class _PriorityPrefill(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        conf = self.vllm_config.additional_config.get(CONFIG_KEY, {})
+        extra = self.vllm_config.additional_config
+        conf = extra.get(CONFIG_KEY, {}) if isinstance(extra, dict) else {}
         self._top_priority = int(conf.get("top_priority", 0))
         self._normal_budget = int(self.max_num_scheduled_tokens)
         self._urgent_limit = int(self.scheduler_config.max_num_batched_tokens)
