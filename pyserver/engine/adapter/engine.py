@@ -48,12 +48,11 @@ class StepOutput:
 class Engine:
     """A built engine: vLLM's LLMEngine and the handles streambatch keeps on it."""
 
-    def __init__(self, llm: Any, stats: VllmStats, engine_id: str) -> None:
+    def __init__(self, llm: Any, stats: VllmStats) -> None:
         from vllm.exceptions import VLLMClientError
 
         self.llm = llm
         self.stats = stats
-        self.engine_id = engine_id
         # What vLLM raises for a bad request before it touches engine state.
         self._request_errors: tuple[type[Exception], ...] = (VLLMClientError, ValueError)
         config = llm.vllm_config
@@ -137,7 +136,7 @@ class Engine:
         """The PriorityPrefillScheduler when the engine core runs in this process, else None."""
         from pyserver.engine.adapter.scheduler import local_instance
 
-        return local_instance(self.engine_id)
+        return local_instance(self.llm.vllm_config)
 
     def set_step_token_budget(self, tokens: int) -> None:
         """Every step's token budget from the next one on, urgent prefills included (a latency

@@ -9,8 +9,8 @@ its token budget to running requests in list order, so a prefill chunk ahead of 
 take it all and make those streams skip a step), and the budget goes back to the normal one.
 
 Configured through vLLM's `additional_config` (key "streambatch": `top_priority`, vLLM's
-priority of streambatch's top level; `engine_id`, so the worker finds the instance built in its
-own process); imported by vLLM by qualified name, in the engine core's process.
+priority of streambatch's top level); imported by vLLM by qualified name, in the engine core's
+process.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ QUALNAME = "pyserver.engine.adapter.scheduler.PriorityPrefillScheduler"
 # runs this one), on top of its AsyncScheduler. Not exercised here: no GPU build of vLLM.
 ASYNC_QUALNAME = "pyserver.engine.adapter.scheduler.AsyncPriorityPrefillScheduler"
 
-_local: dict[str, weakref.ref[_PriorityPrefill]] = {}
+# In-process schedulers by the id of their VllmConfig, the object LLMEngine hands its core.
+_local: dict[int, weakref.ref[_PriorityPrefill]] = {}
 _local_lock = threading.Lock()
 
 
@@ -43,9 +44,8 @@ class _PriorityPrefill(Scheduler):
         self._normal_budget = int(self.max_num_scheduled_tokens)
         self._urgent_limit = int(self.scheduler_config.max_num_batched_tokens)
         self._cap_urgent_steps = False
-        if engine_id := conf.get("engine_id"):
-            with _local_lock:
-                _local[str(engine_id)] = weakref.ref(self)
+        with _local_lock:
+            _local[id(self.vllm_config)] = weakref.ref(self)
 
     @property
     def step_token_budget(self) -> int:
@@ -89,8 +89,9 @@ class AsyncPriorityPrefillScheduler(_PriorityPrefill, AsyncScheduler):
     pass
 
 
-def local_instance(engine_id: str) -> _PriorityPrefill | None:
-    """The scheduler of the engine built with `engine_id` if its core runs in this process."""
+def local_instance(vllm_config: Any) -> _PriorityPrefill | None:
+    """The scheduler of the engine built from `vllm_config` if its core runs in this process."""
     with _local_lock:
-        ref = _local.get(engine_id)
-    return ref() if ref is not None else None
+        ref = _local.get(id(vllm_config))
+    sched = ref() if ref is not None else None
+    return sched if sched is not None and sched.vllm_config is vllm_config else None
