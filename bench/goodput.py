@@ -614,7 +614,7 @@ def main() -> None:
 
         args.model = str(default_model_dir())
     if args.dtype == "auto":  # resolved here so vLLM's server gets the dtype streambatch runs
-        from pyserver.engine.worker import resolve_dtype
+        from pyserver.engine.adapter import resolve_dtype
 
         args.dtype = resolve_dtype("auto")
     from transformers import AutoTokenizer

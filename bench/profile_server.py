@@ -168,7 +168,7 @@ def main() -> None:
 
         args.model = str(pull_default_model())
     if args.dtype == "auto":
-        from pyserver.engine.worker import resolve_dtype
+        from pyserver.engine.adapter import resolve_dtype
 
         args.dtype = resolve_dtype("auto").replace("auto", "bfloat16")
     RESULTS.mkdir(exist_ok=True)

@@ -51,3 +51,19 @@ def test_no_engine_module_is_over_400_lines() -> None:
         for p in (PACKAGE / "engine").rglob("*.py")
     }
     assert sizes and max(sizes.values()) <= 400, sizes
+
+
+def test_every_pyserver_name_the_benchmarks_import_exists() -> None:
+    """The benchmarks run for minutes before they reach a late import: a moved name must fail
+    here, not half an hour into `make bench`."""
+    import importlib
+
+    checked = 0
+    for script in sorted((PACKAGE.parent / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pyserver"):
+                module = importlib.import_module(str(node.module))
+                missing = [a.name for a in node.names if not hasattr(module, a.name)]
+                assert not missing, (script.name, node.module, missing)
+                checked += 1
+    assert checked > 5
