@@ -155,13 +155,7 @@ class Group:
 
 
 def cpu_list() -> str:
-    """The cores this process may run on, in the list syntax VLLM_CPU_OMP_THREADS_BIND takes
-    ("0-1", "0,2-3"): the binding over every usable core."""
-    cpus = sorted(os.sched_getaffinity(0))
-    runs: list[list[int]] = []
-    for c in cpus:
-        if runs and c == runs[-1][-1] + 1:
-            runs[-1].append(c)
-        else:
-            runs.append([c])
-    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    """The binding over every usable core, in VLLM_CPU_OMP_THREADS_BIND's syntax ("0-1")."""
+    from pyserver.cli import usable_cpu_list
+
+    return usable_cpu_list()

@@ -14,6 +14,7 @@ _TOUCHED = (
     "VLLM_ENABLE_V1_MULTIPROCESSING",
     "STREAMBATCH_KV_CACHE_GIB",
     "STREAMBATCH_ENGINE_PROCESS",
+    "VLLM_CPU_OMP_THREADS_BIND",
 )
 
 
@@ -70,6 +71,20 @@ def test_engine_process_flag_beats_vllms_variable(
         monkeypatch.setenv(var, value)
     _prepare_engine_env(_serve(*argv))
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == expected
+
+
+def test_a_separate_engine_core_on_the_cpu_binds_every_usable_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("pyserver.cli.has_cuda_device", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
+    _prepare_engine_env(_serve("--engine-process", "inproc"))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # in-process: torch's own threads
+    _prepare_engine_env(_serve("--engine-process", "separate"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-2,5"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    _prepare_engine_env(_serve("--engine-process", "separate"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"  # the operator's binding stays
 
 
 def test_vllms_own_engine_flags_pass_through_in_vllms_spelling() -> None:
