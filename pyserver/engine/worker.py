@@ -249,7 +249,8 @@ class EngineWorker:
         if free <= 0 or room <= 0:
             free, room = 0, 0  # still reap expiries and cancellations
         result = self.queue.pop_batch(free, room, timeout)
-        self._metrics.expiries.labels("queue").inc(len(result.expired))
+        if result.expired:  # not per iteration: the loop runs every step and every idle wait
+            self._metrics.expiries.labels("queue").inc(len(result.expired))
         out = [
             self._end(h, queue_expiry(self._items[h])) for h in result.expired if h in self._items
         ]

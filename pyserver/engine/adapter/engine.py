@@ -19,18 +19,16 @@ class VllmStats:
     stat logger (vLLM's StatLoggerBase) that LLMEngine calls after every step."""
 
     def __init__(self) -> None:
-        self.preemptions = 0  # vLLM's own (KV exhausted: a running request evicted, recomputed)
         self.kv_cache_usage: float | None = None  # as of the last step; None before one
         self.on_preemptions: Callable[[int], None] | None = None
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
             self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+        # vLLM's own preemptions (KV exhausted: a running request evicted, recomputed).
         preempted = int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
-        if preempted:
-            self.preemptions += preempted
-            if self.on_preemptions is not None:
-                self.on_preemptions(preempted)
+        if preempted and self.on_preemptions is not None:
+            self.on_preemptions(preempted)
 
 
 @dataclass(frozen=True, slots=True)

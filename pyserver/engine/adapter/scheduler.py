@@ -47,10 +47,6 @@ class _PriorityPrefill(Scheduler):
         with _local_lock:
             _local[id(self.vllm_config)] = weakref.ref(self)
 
-    @property
-    def step_token_budget(self) -> int:
-        return self._normal_budget
-
     def set_step_token_budget(self, tokens: int, *, cap_urgent_steps: bool) -> None:
         """The budget of normal steps from the next one on (a latency controller's knob; call
         it between steps, from the thread that steps the engine). With cap_urgent_steps no step,
