@@ -164,6 +164,7 @@ class Outcome:
     tokens: int = 0
     predicted_s: float = 0.0  # streambatch's predicted total at submit
     sent_at: float = 0.0  # time.perf_counter() when the call was sent
+    max_tokens: int = 0
 
 
 def _reason(code: str, details: str) -> str:
@@ -179,7 +180,7 @@ def _reason(code: str, details: str) -> str:
 
 
 async def _streambatch_call(stub: Any, call: Call, cap_s: float) -> Outcome:
-    out = Outcome(call.index, call.priority, call.deadline_s)
+    out = Outcome(call.index, call.priority, call.deadline_s, max_tokens=call.max_tokens)
     req = pb.GenerateRequest(text=call.prompt, priority=call.priority)
     req.sampling.max_tokens = call.max_tokens
     req.sampling.temperature = 0.0
@@ -209,7 +210,7 @@ async def _streambatch_call(stub: Any, call: Call, cap_s: float) -> Outcome:
 async def _vllm_call(client: httpx.AsyncClient, call: Call, cap_s: float) -> Outcome:
     """vLLM's OpenAI completions, streamed, with its `priority` (lower runs first). The client
     gives up at the deadline like a gRPC caller (the server aborts a disconnected request)."""
-    out = Outcome(call.index, call.priority, call.deadline_s)
+    out = Outcome(call.index, call.priority, call.deadline_s, max_tokens=call.max_tokens)
     body = {
         "model": "m",
         "prompt": call.prompt,
@@ -450,6 +451,12 @@ def summarize(
             "ttft_p50_ms": _pct(ttft, 50),
             "ttft_p99_ms": _pct(ttft, 99),
         }
+    # Who pays under overload: the good share by the call's max_tokens (the length it asked
+    # for), so an order that serves short calls first shows what long ones lose.
+    by_length: dict[str, float] = {}
+    for name, lo, hi in (("le64", 0, 64), ("65to160", 65, 160), ("gt160", 161, 1 << 30)):
+        mine = [o for o in outcomes if lo <= o.max_tokens <= hi]
+        by_length[name] = round(100 * sum(good(o, args) for o in mine) / max(1, len(mine)), 1)
     refused: dict[str, int] = {}
     for o in outcomes:
         if o.reason:
@@ -471,6 +478,7 @@ def summarize(
         "refused": refused,
         "codes": codes,
         "classes": by_class,
+        "good_pct_by_max_tokens": by_length,
     }
 
 
