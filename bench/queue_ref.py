@@ -1,8 +1,7 @@
 """Pure-Python reference of the BatchQueue admission policy (csrc/batch_queue.h), heapq-based.
 
 It implements the same order (effective priority with aging, head bucket then nearest buckets,
-arrival order: oldest first, newest first in a level past lifo_after_ns, fewest max_new_tokens
-first there with shortest_first_in_overload) and the same
+arrival order: oldest first, newest first in a level past lifo_after_ns) and the same
 token-budget rule, without the blocking and release-rule machinery; the benchmark measures the
 C++ core against it and the tests check both produce the same order.
 """
@@ -18,7 +17,6 @@ from dataclasses import dataclass
 class _Entry:
     id: int
     cost: int
-    max_new_tokens: int
     priority: int
     bucket: int
     enqueued_ns: int
@@ -32,10 +30,8 @@ class ReferenceQueue:
         bucket_bounds: list[int],
         aging_interval_ns: int = 0,
         lifo_after_ns: int = 0,
-        shortest_first_in_overload: bool = False,
     ) -> None:
         self._lifo_after = lifo_after_ns
-        self._shortest_first = shortest_first_in_overload
         self._levels = priority_levels
         self._bounds = list(bucket_bounds)
         self._buckets = len(bucket_bounds) + 1
@@ -49,9 +45,7 @@ class ReferenceQueue:
         self, id: int, prompt_tokens: int, max_new_tokens: int, priority: int, now_ns: int
     ) -> None:
         bucket = bisect.bisect_left(self._bounds, prompt_tokens)
-        entry = _Entry(
-            id, prompt_tokens + max_new_tokens, max_new_tokens, priority, bucket, now_ns, self._seq
-        )
+        entry = _Entry(id, prompt_tokens + max_new_tokens, priority, bucket, now_ns, self._seq)
         heapq.heappush(self._heaps[priority * self._buckets + bucket], (self._seq, entry))
         self._seq += 1
 
@@ -67,42 +61,36 @@ class ReferenceQueue:
             if h and self._lifo_after and now_ns - h[0][1].enqueued_ns >= self._lifo_after:
                 lifo[i // self._buckets] = True
 
-        def candidate(i: int) -> tuple[_Entry, tuple[int, int], int, int]:
+        def candidate(i: int) -> tuple[_Entry, tuple[int, int], int]:
             """The entry taken next from heap i, its arrival-order key (smaller first; a
-            newest-first heap after every oldest-first one, as the C++ keys sort), the
-            heap's effective priority (its oldest entry's) and its length key (max_new_tokens
-            in a shortest-first level, else 0)."""
+            newest-first heap after every oldest-first one, as the C++ keys sort) and the
+            heap's effective priority (its oldest entry's)."""
             h = self._heaps[i]
             eff = self._effective(h[0][1], now_ns)
             if lifo[i // self._buckets]:
-                if self._shortest_first:
-                    pick = min(h, key=lambda se: (se[1].max_new_tokens, -se[0]))[1]
-                    return pick, (1, -pick.seq), eff, pick.max_new_tokens
                 newest = max(h)[1]
-                return newest, (1, -newest.seq), eff, 0
-            return h[0][1], (0, h[0][0]), eff, 0
+                return newest, (1, -newest.seq), eff
+            return h[0][1], (0, h[0][0]), eff
 
         live = [i for i, h in enumerate(self._heaps) if h]
         if not live:
             return []
-        head_bucket = min(
-            (-eff, key, e.bucket) for e, key, eff, _ in (candidate(i) for i in live)
-        )[2]
+        head_bucket = min((-eff, key, e.bucket) for e, key, eff in (candidate(i) for i in live))[2]
         out: list[int] = []
         tokens = 0
         while len(out) < max_requests:
             best: int | None = None
-            best_key: tuple[int, int, int, int, tuple[int, int]] | None = None
+            best_key: tuple[int, int, int, tuple[int, int]] | None = None
             for i, h in enumerate(self._heaps):
                 if not h:
                     continue
-                e, order, eff, length = candidate(i)
-                key = (-eff, length, abs(e.bucket - head_bucket), e.bucket, order)
+                e, order, eff = candidate(i)
+                key = (-eff, abs(e.bucket - head_bucket), e.bucket, order)
                 if best_key is None or key < best_key:
                     best, best_key = i, key
             if best is None:
                 break
-            e, _, _, _ = candidate(best)
+            e, _, _ = candidate(best)
             if tokens + e.cost > max_tokens:
                 break
             tokens += e.cost

@@ -167,7 +167,7 @@ PushResult BatchQueue::requeue(RequestId id, std::int64_t prompt_tokens,
 
 void BatchQueue::insert_locked(RequestId id, const Entry& e, bool front) {
   entries_.emplace(id, e);
-  const Slot slot{id, e.seq, e.enqueued_ns, e.cost(), e.max_new_tokens};
+  const Slot slot{id, e.seq, e.enqueued_ns, e.cost()};
   auto& q = fifo(e.priority, e.bucket);
   if (front) {
     q.push_front(slot);
@@ -236,21 +236,6 @@ std::uint64_t BatchQueue::order_key(std::uint64_t seq, bool newest_first) {
   // falls as seq grows, above every requeued seq: kFirstSeq + (max - seq) cannot overflow.
   if (!newest_first || seq < kFirstSeq) return seq;
   return kFirstSeq + (std::numeric_limits<std::uint64_t>::max() - seq);
-}
-
-size_t BatchQueue::shortest_live_locked(size_t index) const {
-  const auto& q = fifos_[index];
-  size_t best = q.size();
-  for (size_t i = q.size(); i-- > 0;) {  // from the back: the newest wins a tie
-    const Slot& s = q[i];
-    if (best < q.size() && s.max_new_tokens >= q[best].max_new_tokens) continue;
-    if (tombstones_[index] > 0) {
-      const auto it = entries_.find(s.id);
-      if (it == entries_.end() || it->second.seq != s.seq) continue;
-    }
-    best = i;
-  }
-  return best;
 }
 
 void BatchQueue::expire_locked(Nanos now, std::vector<RequestId>& out) {
@@ -365,13 +350,7 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
     k.eff = effective_priority(p, q.front().enqueued_ns, now);
     k.bucket = static_cast<int>(index % bucket_count_);
     k.dist = std::abs(k.bucket - head_bucket);
-    k.pos = k.back ? q.size() - 1 : 0;
-    k.length = 0;
-    if (k.back && config_.shortest_first_in_overload) {
-      k.pos = shortest_live_locked(index);
-      k.length = q[k.pos].max_new_tokens;
-    }
-    k.seq = order_key(q[k.pos].seq, k.back);
+    k.seq = order_key((k.back ? q.back() : q.front()).seq, k.back);
   };
   // The head request: best by (effective priority, arrival order).
   const HeadKey* head = nullptr;
@@ -396,12 +375,9 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
       const bool better =
           pick == nullptr || k.eff > pick->eff ||
           (k.eff == pick->eff &&
-           (k.length < pick->length ||
-            (k.length == pick->length &&
-             (k.dist < pick->dist ||
-              (k.dist == pick->dist &&
-               (k.bucket < pick->bucket ||
-                (k.bucket == pick->bucket && k.seq < pick->seq)))))));
+           (k.dist < pick->dist ||
+            (k.dist == pick->dist &&
+             (k.bucket < pick->bucket || (k.bucket == pick->bucket && k.seq < pick->seq)))));
       if (better) {
         pick = &k;
         pick_index = i;
@@ -409,19 +385,17 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
     }
     if (pick == nullptr) break;
     auto& q = fifos_[pick_index];
-    const size_t pos = pick->pos;
-    const Slot slot = q[pos];
+    const bool back = pick->back;
+    const Slot slot = back ? q.back() : q.front();
     if (tokens + slot.cost > max_tokens) break;  // no overtaking past a request that does not fit
     tokens += slot.cost;
     out.push_back(slot.id);
-    // The taken slot is live by invariant: remove it without a tombstone (one hash operation).
+    // The taken end is live by invariant: remove it without a tombstone (one hash operation).
     const auto level = pick_index / bucket_count_;
-    if (pos == 0) {
-      q.pop_front();
-    } else if (pos + 1 == q.size()) {
+    if (back) {
       q.pop_back();
     } else {
-      q.erase(q.begin() + static_cast<std::ptrdiff_t>(pos));
+      q.pop_front();
     }
     entries_.erase(slot.id);
     --level_size_[level];

@@ -26,9 +26,6 @@
 //      Facebook's "Fail at Scale"), so under overload the requests that still have their
 //      whole deadline are served while the old ones, likely past what their callers wait
 //      for, give way; requests put back by requeue() still go first.
-//   With shortest_first_in_overload, a level in overload serves its fewest max_new_tokens
-//   first (before rule 2; newest first on a tie): when not every call can be served, the
-//   calls that take the fewest engine steps are the most callers served per step.
 // A FIFO's effective priority is its oldest request's, whichever end is taken from it. The
 // head request is the first by (effective priority, arrival order). A request costs
 // prompt_tokens + max_new_tokens (its KV footprint at the end) against the token budget; the
@@ -90,7 +87,6 @@ struct QueueConfig {
   Nanos max_wait_ns = 50'000'000;           // the seed's 50 ms
   Nanos aging_interval_ns = 0;              // 0: no aging
   Nanos lifo_after_ns = 0;                  // 0: always arrival order (see "Order" above)
-  bool shortest_first_in_overload = false;  // past lifo_after_ns: fewest max_new_tokens first
   bool release_on_urgent = true;
 };
 
@@ -185,7 +181,6 @@ class BatchQueue {
     std::uint64_t seq;
     Nanos enqueued_ns;
     std::int64_t cost;
-    std::int64_t max_new_tokens;
   };
   // Ordering key of one FIFO's head during a selection (scratch, reused across pops).
   struct HeadKey {
@@ -193,10 +188,8 @@ class BatchQueue {
     int eff = 0;
     int dist = 0;
     int bucket = 0;
-    std::int64_t length = 0;  // its max_new_tokens in a shortest-first level, else 0
-    std::uint64_t seq = 0;    // order_key of the slot selection would take
-    bool back = false;        // that slot is the FIFO's back (LIFO level)
-    size_t pos = 0;           // that slot's position in the FIFO
+    std::uint64_t seq = 0;  // order_key of the slot selection would take
+    bool back = false;      // that slot is the FIFO's back (LIFO level)
   };
   struct DeadlineItem {
     Nanos deadline_ns;
@@ -219,8 +212,6 @@ class BatchQueue {
   // arrival-order key (smaller first).
   [[nodiscard]] bool takes_back_locked(size_t fifo_index) const;
   [[nodiscard]] static std::uint64_t order_key(std::uint64_t seq, bool newest_first);
-  // The live slot of a FIFO with the fewest max_new_tokens, newest first on a tie.
-  [[nodiscard]] size_t shortest_live_locked(size_t fifo_index) const;
   void expire_locked(Nanos now, std::vector<RequestId>& out);
   [[nodiscard]] bool release_reason_locked(Nanos now, std::int64_t max_requests,
                                            std::int64_t max_tokens, ReleaseReason& why);

@@ -127,7 +127,6 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("max_wait_ns", &QueueConfig::max_wait_ns)
       .def_readwrite("aging_interval_ns", &QueueConfig::aging_interval_ns)
       .def_readwrite("lifo_after_ns", &QueueConfig::lifo_after_ns)
-      .def_readwrite("shortest_first_in_overload", &QueueConfig::shortest_first_in_overload)
       .def_readwrite("release_on_urgent", &QueueConfig::release_on_urgent);
 
   py::class_<PopResult>(m, "PopResult")

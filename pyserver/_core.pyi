@@ -43,7 +43,6 @@ class QueueConfig:
     max_wait_ns: int
     aging_interval_ns: int
     lifo_after_ns: int
-    shortest_first_in_overload: bool
     release_on_urgent: bool
     def __init__(self) -> None: ...
 

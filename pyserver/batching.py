@@ -44,7 +44,6 @@ def make_config(
     max_wait_s: float = 0.05,
     aging_interval_s: float = 0.0,
     lifo_after_s: float = 0.0,
-    shortest_first_in_overload: bool = False,
     release_on_urgent: bool = True,
 ) -> QueueConfig:
     """A QueueConfig with durations in seconds; the constructor of BatchQueue validates it."""
@@ -59,6 +58,5 @@ def make_config(
     config.max_wait_ns = round(max_wait_s * _NS)
     config.aging_interval_ns = round(aging_interval_s * _NS)
     config.lifo_after_ns = round(lifo_after_s * _NS)
-    config.shortest_first_in_overload = shortest_first_in_overload
     config.release_on_urgent = release_on_urgent
     return config

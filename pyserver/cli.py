@@ -189,13 +189,6 @@ def _serve_parser(sub: Any) -> None:
         "overload: a priority level whose oldest waiting request has waited this long is "
         "served newest first (adaptive LIFO; 0: always oldest first)",
     )
-    p.add_argument(
-        "--overload-order",
-        choices=("newest", "shortest"),
-        default=_env_default("overload-order", "newest"),
-        help="the order of a level past --lifo-after-ms: newest first, or the fewest max_tokens "
-        "first (newest first on a tie) (default: %(default)s)",
-    )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
@@ -356,7 +349,6 @@ def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
         max_wait_s=args.max_wait_ms / 1e3,
         aging_interval_s=args.aging_interval_ms / 1e3,
         lifo_after_s=args.lifo_after_ms / 1e3,
-        overload_order=args.overload_order,
         level_capacity=args.level_capacity,
         level_queue_timeout_ms=args.level_queue_timeout_ms,
         reserved_top_slots=args.reserved_top_slots,

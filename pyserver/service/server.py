@@ -56,7 +56,6 @@ class ServerSettings:
     max_wait_s: float = 0.0
     aging_interval_s: float = 2.0
     lifo_after_s: float = 1.0  # a level whose oldest waited this long is served newest first
-    overload_order: str = "newest"  # in such a level: newest first, or fewest max_tokens first
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption
     reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use
@@ -229,7 +228,6 @@ class StreambatchServer:
             max_wait_s=s.max_wait_s,
             aging_interval_s=s.aging_interval_s,
             lifo_after_s=s.lifo_after_s,
-            shortest_first_in_overload=s.overload_order == "shortest",
         )
 
     def _limits(self, worker: EngineWorker) -> Limits:

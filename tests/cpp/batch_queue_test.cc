@@ -213,36 +213,6 @@ TEST(BatchQueue, OverloadedLevelIsServedNewestFirstRequeuedStillFirst) {
   EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 7, 2}));  // the preempted one resumes first
 }
 
-TEST(BatchQueue, OverloadedLevelShortestFirstSkipsCancelledAndResumesRequeuedFirst) {
-  Fixture f;
-  f.config.lifo_after_ns = 100 * kMs;
-  f.config.shortest_first_in_overload = true;
-  f.config.bucket_bounds = {64};  // two buckets: the length key ranks before the bucket
-  auto q = f.make();
-  const Nanos first_arrival = f.clock->now_ns();
-  push_ok(q, 1, 10, 0, 0, 300);
-  push_ok(q, 2, 10, 0, 0, 50);
-  push_ok(q, 3, 10, 0, 0, 200);
-  auto r = q.pop_batch(1, 100000, 0);
-  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1}));  // not overloaded yet: arrival order
-
-  f.clock->advance_ns(150 * kMs);  // 2 has waited 150 ms: level 0 is overloaded
-  push_ok(q, 4, 100, 0, 0, 20);   // other bucket, shortest
-  push_ok(q, 5, 10, 0, 0, 50);    // ties with 2: the newer first
-  push_ok(q, 6, 10, 0, 0, 10);    // shortest of all, but cancelled: skipped in the middle
-  push_ok(q, 7, 10, 0, 0, 400);
-  push_ok(q, 8, 10, 1, 0, 500);   // level 1 is not overloaded, and before level 0 anyway
-  EXPECT_TRUE(q.cancel(6));
-  r = q.pop_batch(4, 100000, 0);
-  EXPECT_EQ(r.admitted, (std::vector<RequestId>{8, 4, 5, 2}));
-  EXPECT_EQ(r.cancelled, (std::vector<RequestId>{6}));
-
-  ASSERT_EQ(q.requeue(1, 10, 300, 0, 0, first_arrival).status, PushStatus::kAccepted);
-  r = q.pop_batch(3, 100000, 0);
-  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 3, 7}));  // the preempted one resumes first
-  EXPECT_EQ(q.size(), 0);
-}
-
 TEST(BatchQueue, ARequeuedOrCancelledRequestAloneDoesNotTurnItsLevelNewestFirst) {
   Fixture f;
   f.config.lifo_after_ns = 100 * kMs;

@@ -160,12 +160,9 @@ def test_bad_timeout_raises_value_error() -> None:
         q.pop_batch(1, 1, timeout=-1.0)
 
 
-@pytest.mark.parametrize(
-    ("aging_ms", "lifo_ms", "shortest"),
-    [(0, 0, False), (5, 0, False), (0, 4, False), (5, 2, False), (0, 4, True), (5, 2, True)],
-)
-def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int, shortest: bool) -> None:
-    rng = random.Random(aging_ms + 11 + 100 * lifo_ms + 1000 * shortest)
+@pytest.mark.parametrize(("aging_ms", "lifo_ms"), [(0, 0), (5, 0), (0, 4), (5, 2)])
+def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int) -> None:
+    rng = random.Random(aging_ms + 11 + 100 * lifo_ms)
     bounds = [32, 128, 512]
     clock = ManualClock(1_000 * MS)
     core = BatchQueue(
@@ -174,12 +171,11 @@ def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int, shortes
             bucket_bounds=bounds,
             aging_interval_s=aging_ms / 1e3,
             lifo_after_s=lifo_ms / 1e3,
-            shortest_first_in_overload=shortest,
             capacity=100_000,
         ),
         clock,
     )
-    ref = ReferenceQueue(3, bounds, aging_ms * MS, lifo_ms * MS, shortest)
+    ref = ReferenceQueue(3, bounds, aging_ms * MS, lifo_ms * MS)
     next_id = 0
     drained = 0
     for round_ in range(300):
