@@ -27,6 +27,14 @@ class RequestError(Exception):
 
 
 @dataclass(slots=True, frozen=True)
+class Structured:
+    """An output constraint: kind is json_schema, regex, choice, grammar or json_object."""
+
+    kind: str
+    value: str | tuple[str, ...] | bool
+
+
+@dataclass(slots=True, frozen=True)
 class Sampling:
     max_tokens: int = 256
     temperature: float = 1.0
@@ -39,6 +47,43 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # alternatives per generated token; None: no logprobs
+    prompt_logprobs: int | None = None
+    structured: Structured | None = None
+    n: int = 1
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the call may be stopped and resumed with its output moved into its prompt
+        (streambatch's priority preemption). A constraint's state and the presence/frequency
+        penalties' output history would restart from nothing, so such calls are not."""
+        return (
+            self.structured is None and self.presence_penalty == 0 and self.frequency_penalty == 0
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class TopToken:
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A token's logprob and the most likely tokens at its position (by rank)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: tuple[TopToken, ...] = ()
 
 
 @dataclass(slots=True)
@@ -58,6 +103,10 @@ class Delta:
     predicted_total_ms: float = 0.0
     refusal_predicted: bool = False
     error: RequestError | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token in token_ids
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_string: str | None = None  # what ended a "stop" finish: a stop string ...
+    stop_token_id: int | None = None  # ... or a token (a stop token id or end of sequence)
 
     @property
     def final(self) -> bool:
@@ -66,6 +115,12 @@ class Delta:
     def merge(self, later: Delta) -> None:
         self.text += later.text
         self.token_ids.extend(later.token_ids)
+        self.logprobs.extend(later.logprobs)
+        self.prompt_logprobs.extend(later.prompt_logprobs)
+        if later.stop_string is not None:
+            self.stop_string = later.stop_string
+        if later.stop_token_id is not None:
+            self.stop_token_id = later.stop_token_id
         for name in (
             "finish_reason",
             "prompt_tokens",

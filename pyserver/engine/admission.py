@@ -37,8 +37,11 @@ def preemption_victims(
 ) -> list[WorkItem]:
     """The running requests to abort and requeue for `needed` waiting top-priority ones: the
     lowest priority first, and of those the least progressed (least work thrown away), never
-    one that could not wait as long as it has left to run and still finish in time."""
-    candidates = (it for it in running if it.priority < top and can_wait(it))
+    one that could not wait as long as it has left to run and still finish in time, nor one
+    whose sampling would not resume as it was (Sampling.resumable)."""
+    candidates = (
+        it for it in running if it.priority < top and it.sampling.resumable and can_wait(it)
+    )
     return sorted(candidates, key=lambda it: (it.priority, it.completion_tokens))[: max(1, needed)]
 
 
@@ -104,4 +107,5 @@ def resumed(item: WorkItem) -> tuple[list[int], Sampling]:
         s,
         max_tokens=s.max_tokens - item.completion_tokens,
         min_tokens=max(0, s.min_tokens - item.completion_tokens),
+        prompt_logprobs=None,  # sent with the first admission; the prompt now holds output
     )

@@ -41,7 +41,8 @@ class EngineView:
 
 def fixed_length(s: Sampling) -> bool:
     """The call runs exactly max_tokens steps (no EOS, no stop string can end it earlier)."""
-    return (s.ignore_eos and not s.stop) or s.min_tokens >= s.max_tokens
+    ends_early = s.stop or s.stop_token_ids or s.structured is not None
+    return (s.ignore_eos and not ends_early) or s.min_tokens >= s.max_tokens
 
 
 class DeadlineAdmission:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pyserver.domain import Delta, Mailbox, WorkItem
+from pyserver.domain import Delta, Mailbox, TokenLogprob, WorkItem
 from pyserver.engine.adapter.engine import StepOutput
 from pyserver.engine.deadlines import DeadlineAdmission
 from pyserver.scheduling import AdaptiveBatchController
@@ -69,8 +69,15 @@ class StepOutputs:
             item.output_token_ids.extend(o.token_ids)
             generated += len(o.token_ids)
             delta = Delta(text=o.text, token_ids=o.token_ids)
+            s = item.sampling
+            if o.logprobs is not None and s.logprobs is not None:
+                delta.logprobs = _trimmed(o.logprobs, s.logprobs)
+            if o.prompt_logprobs is not None and s.prompt_logprobs is not None:
+                delta.prompt_logprobs = _trimmed(o.prompt_logprobs, s.prompt_logprobs)
             if o.finished:
                 delta.finish_reason = "length" if o.finish_reason == "length" else "stop"
+                if delta.finish_reason == "stop":
+                    _fill_stop(delta, item, o.stop_reason)
                 _fill_usage(delta, item, now, o.cached_tokens)
                 self._deadlines.observe_finish(item, now, cut=delta.finish_reason == "length")
                 self.mean_request_s += 0.1 * ((now - item.admitted_ns) / 1e9 - self.mean_request_s)
@@ -101,6 +108,24 @@ class StepOutputs:
             if ctl is not None and ctl.metric == "itl":
                 ctl.observe(itl_s * 1e3)
         item.last_token_ns = now
+
+
+def _trimmed(positions: list[TokenLogprob], k: int) -> list[TokenLogprob]:
+    """The k most likely alternatives per position (vLLM adds the chosen token when it ranks
+    below k)."""
+    return [
+        TokenLogprob(p.token_id, p.token, p.logprob, p.rank, tuple(t for t in p.top if t.rank <= k))
+        for p in positions
+    ]
+
+
+def _fill_stop(delta: Delta, item: WorkItem, stop_reason: str | int | None) -> None:
+    if isinstance(stop_reason, str):
+        delta.stop_string = stop_reason
+    elif isinstance(stop_reason, int):
+        delta.stop_token_id = stop_reason
+    elif item.output_token_ids:  # vLLM names no reason for the model's end of sequence
+        delta.stop_token_id = item.output_token_ids[-1]
 
 
 def _fill_usage(delta: Delta, item: WorkItem, now: int, cached: int) -> None:

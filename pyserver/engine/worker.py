@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pyserver.batching import BatchQueue, PushStatus, QueueConfig
-from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, WorkItem
+from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
 from pyserver.engine import adapter
 from pyserver.engine.admission import (
     admission_room,
@@ -78,6 +78,7 @@ class EngineWorker:
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.max_num_seqs
         self.vocab_size = engine.vocab_size
+        self.max_logprobs = engine.max_logprobs
         shared_block = engine.block_size if engine.prefix_caching else 0  # prefix cache: shared
         self.kv = KvLedger(engine.kv_capacity_tokens, shared_block)
         if controller_knob not in ("concurrency", "step_tokens"):
@@ -162,6 +163,9 @@ class EngineWorker:
             raise RequestError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         raise RequestError(ErrorKind.INVALID, f"request rejected by the queue ({cost} tokens)")
 
+    def check_sampling(self, sampling: Sampling) -> tuple[str | None, str] | None:
+        return self._engine.check(sampling)  # vLLM's verdict, before any queueing
+
     def cancel(self, handle: int) -> None:
         """The client went away: drop it from the queue, or abort it in the engine next step."""
         if self.queue.cancel(handle):
@@ -186,10 +190,8 @@ class EngineWorker:
     def retry_after_ms(self) -> int:
         """A hint for RESOURCE_EXHAUSTED: the time the engine needs to work through the queue
         at its current concurrency, from the measured mean request duration."""
-        waiting = self.queue.size()
-        mean_s = self._outputs.mean_request_s
-        estimate = waiting / max(1, self.concurrency_limit) * mean_s * 1e3
-        return int(min(30_000, max(100, estimate)))
+        waiting = self.queue.size() / max(1, self.concurrency_limit)
+        return int(min(30_000, max(100, waiting * self._outputs.mean_request_s * 1e3)))
 
     def close(self) -> None:
         """Stop admitting new work; queued and running requests still finish."""

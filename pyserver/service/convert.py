@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import uuid
@@ -11,7 +12,7 @@ from typing import Any, Protocol
 from jinja2 import TemplateError
 from streambatch.v1 import generation_pb2 as pb
 
-from pyserver.domain import Delta, ErrorKind, RequestError, Sampling
+from pyserver.domain import Delta, ErrorKind, RequestError, Sampling, Structured, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 256
 # fullmatch: with match(), "$" also matches before a trailing newline, which then reaches the
@@ -20,6 +21,9 @@ _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 _ROLES = ("system", "user", "assistant")
 _MAX_STOP = 8
 _MAX_STOP_CHARS = 256
+_MAX_STOP_TOKEN_IDS = 16
+_MAX_LOGIT_BIAS = 300
+_MAX_CHOICES = 256
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
@@ -38,6 +42,8 @@ class Limits:
     max_prompt_chars: int  # checked before tokenizing, so a huge prompt costs nothing
     # Default queue timeout per priority level when the request sets none (0: none).
     queue_timeout_ms_by_level: tuple[int, ...] = ()
+    max_logprobs: int = 20  # vLLM's --max-logprobs
+    max_n: int = 8
 
 
 def invalid(field: str, problem: str) -> RequestError:
@@ -92,6 +98,9 @@ def sampling_of(s: pb.SamplingParams, prompt_tokens: int, limits: Limits) -> Sam
         raise invalid("sampling.min_tokens", f"must not exceed max_tokens ({max_tokens})")
     if s.HasField("seed") and s.seed >= 2**63:
         raise invalid("sampling.seed", "must be below 2^63")
+    n = s.n or 1
+    if n > limits.max_n:
+        raise invalid("sampling.n", f"must be at most {limits.max_n}, got {n}")
     return Sampling(
         max_tokens=max_tokens,
         temperature=_finite("sampling.temperature", s.temperature, 0.0, 10.0)
@@ -116,12 +125,106 @@ def sampling_of(s: pb.SamplingParams, prompt_tokens: int, limits: Limits) -> Sam
         if s.HasField("frequency_penalty")
         else 0.0,
         min_tokens=s.min_tokens,
+        stop_token_ids=_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits),
+        min_p=_finite("sampling.min_p", s.min_p, 0.0, 1.0) if s.HasField("min_p") else 0.0,
+        logit_bias=_logit_bias(s, limits),
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
+        logprobs=_logprob_count("sampling.logprobs", s, limits),
+        prompt_logprobs=_logprob_count("sampling.prompt_logprobs", s, limits),
+        structured=structured_of(s, limits) if s.HasField("structured") else None,
+        n=n,
     )
 
 
+def _token_ids(field: str, ids: Any, limits: Limits) -> tuple[int, ...]:
+    if len(ids) > _MAX_STOP_TOKEN_IDS:
+        raise invalid(field, f"at most {_MAX_STOP_TOKEN_IDS} token ids, got {len(ids)}")
+    bad = next((t for t in ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise invalid(field, f"id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})")
+    return tuple(ids)
+
+
+def _logit_bias(s: pb.SamplingParams, limits: Limits) -> tuple[tuple[int, float], ...]:
+    if len(s.logit_bias) > _MAX_LOGIT_BIAS:
+        raise invalid(
+            "sampling.logit_bias", f"at most {_MAX_LOGIT_BIAS} entries, got {len(s.logit_bias)}"
+        )
+    out = []
+    for token_id, bias in sorted(s.logit_bias.items()):
+        field = f"sampling.logit_bias[{token_id}]"
+        if token_id >= limits.vocab_size:
+            raise invalid(field, f"is outside the vocabulary (0..{limits.vocab_size - 1})")
+        out.append((token_id, _finite(field, bias, -100.0, 100.0)))
+    return tuple(out)
+
+
+def _logprob_count(field: str, s: pb.SamplingParams, limits: Limits) -> int | None:
+    name = field.rsplit(".", 1)[1]
+    if not s.HasField(name):  # type: ignore[arg-type]
+        return None
+    count = int(getattr(s, name))
+    if count > limits.max_logprobs:
+        raise invalid(field, f"must be at most {limits.max_logprobs} (this server's limit)")
+    return count
+
+
+def structured_of(s: pb.SamplingParams, limits: Limits) -> Structured:
+    """The constraint, checked for what can be checked without compiling it (the engine
+    compiles it at submit: pyserver.engine's check)."""
+    so = s.structured
+    kind = so.WhichOneof("kind")
+    field = f"sampling.structured.{kind}"
+    if kind is None:
+        raise invalid(
+            "sampling.structured", "set one of json_schema, regex, choice, grammar, json_object"
+        )
+    if kind == "choice":
+        choices = tuple(so.choice.choices)
+        if not choices or len(choices) > _MAX_CHOICES or not all(choices):
+            raise invalid(field, f"must hold 1..{_MAX_CHOICES} non-empty strings")
+        return Structured(kind, choices)
+    if kind == "json_object":
+        if not so.json_object:
+            raise invalid(field, "must be true (unset the constraint for free output)")
+        return Structured(kind, True)
+    text: str = getattr(so, kind)
+    if not text:
+        raise invalid(field, "must not be empty")
+    if len(text) > limits.max_prompt_chars:
+        raise invalid(field, f"is longer than the {limits.max_prompt_chars} characters accepted")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise invalid(field, f"is not JSON: {exc}") from exc
+        if not isinstance(schema, dict | bool):
+            raise invalid(field, "must be a JSON object (a JSON Schema)")
+    return Structured(kind, text)
+
+
+def engine_check_error(problem: tuple[str | None, str], sampling: Sampling) -> RequestError:
+    """The engine's refusal of sampling settings as INVALID_ARGUMENT naming the field."""
+    parameter, message = problem
+    if parameter:
+        field = f"sampling.{parameter}"
+    elif sampling.structured is not None:
+        field = f"sampling.structured.{sampling.structured.kind}"
+    else:
+        field = "sampling"
+    return invalid(field, message.splitlines()[0][:300] if message else "refused by the engine")
+
+
 def prompt_token_ids(
-    request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits
+    request: pb.GenerateRequest | pb.TokenizeRequest,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    *,
+    check_length: bool = True,
 ) -> list[int]:
+    """The prompt's tokens, as the model reads them; with check_length, refused when longer
+    than the server accepts (after truncate_prompt_tokens)."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise invalid("prompt", "set one of text, token_ids or chat")
@@ -135,7 +238,7 @@ def prompt_token_ids(
                 f"{limits.max_prompt_chars} this server accepts",
             )
         ids = list(tokenizer.encode(request.text))
-    elif kind == "token_ids":
+    elif isinstance(request, pb.GenerateRequest) and kind == "token_ids":
         ids = list(request.token_ids.ids)
         if not ids:
             raise invalid("prompt.token_ids", "must not be empty")
@@ -146,10 +249,13 @@ def prompt_token_ids(
                 f"id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})",
             )
     else:
+        assert kind == "chat"
         ids = _chat_ids(request.chat, tokenizer, limits)
     if not ids:
         raise invalid("prompt", "tokenizes to no tokens; send some text")
-    if len(ids) > limits.max_prompt_tokens:
+    if isinstance(request, pb.GenerateRequest) and request.truncate_prompt_tokens:
+        ids = ids[-request.truncate_prompt_tokens :]
+    if check_length and len(ids) > limits.max_prompt_tokens:
         raise invalid(
             "prompt",
             f"the prompt is {len(ids)} tokens, more than the "
@@ -219,24 +325,94 @@ def timings_of(d: Delta) -> pb.Timings:
     )
 
 
-def stream_message(request_id: str, d: Delta) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=request_id, text=d.text, token_ids=d.token_ids)
+def logprobs_of(positions: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=p.token_id,
+            token=p.token,
+            logprob=p.logprob,
+            rank=p.rank,
+            top=[
+                pb.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in p.top
+            ],
+        )
+        for p in positions
+    ]
+
+
+def _set_stop(msg: Any, d: Delta) -> None:
+    if d.stop_string is not None:
+        msg.stop_string = d.stop_string
+    elif d.stop_token_id is not None:
+        msg.stop_token_id = d.stop_token_id
+
+
+def stream_message(request_id: str, d: Delta, index: int = 0) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=request_id,
+        text=d.text,
+        token_ids=d.token_ids,
+        index=index,
+        logprobs=logprobs_of(d.logprobs),
+        prompt_logprobs=logprobs_of(d.prompt_logprobs),
+    )
     if d.finish_reason is not None:
         msg.finish_reason = _FINISH.get(d.finish_reason, pb.FINISH_REASON_STOP)
         msg.usage.CopyFrom(usage_of(d))
         msg.timings.CopyFrom(timings_of(d))
+        _set_stop(msg, d)
     return msg
 
 
-def complete_message(
-    request_id: str, text: str, tokens: list[int], last: Delta
-) -> pb.CompleteResponse:
-    return pb.CompleteResponse(
+@dataclass(slots=True)
+class CompletionParts:
+    """One completion's deltas gathered for Complete."""
+
+    text: list[str]
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob]
+    last: Delta | None = None
+
+    @classmethod
+    def empty(cls) -> CompletionParts:
+        return cls([], [], [], [])
+
+    def add(self, d: Delta) -> None:
+        self.text.append(d.text)
+        self.tokens.extend(d.token_ids)
+        self.logprobs.extend(d.logprobs)
+        self.prompt_logprobs.extend(d.prompt_logprobs)
+        if d.final:
+            self.last = d
+
+
+def complete_message(request_id: str, parts: list[CompletionParts]) -> pb.CompleteResponse:
+    first = parts[0]
+    last = first.last
+    assert last is not None
+    msg = pb.CompleteResponse(
         request_id=request_id,
-        text=text,
-        tokens=tokens,
-        latency_ms=last.total_ms,
+        text="".join(first.text),
+        tokens=first.tokens,
+        latency_ms=max(p.last.total_ms for p in parts if p.last is not None),
         finish_reason=_FINISH.get(last.finish_reason or "stop", pb.FINISH_REASON_STOP),
         usage=usage_of(last),
         timings=timings_of(last),
+        logprobs=logprobs_of(first.logprobs),
+        prompt_logprobs=logprobs_of(first.prompt_logprobs),
     )
+    _set_stop(msg, last)
+    if len(parts) > 1:
+        for index, p in enumerate(parts):
+            assert p.last is not None
+            c = msg.completions.add(
+                index=index,
+                text="".join(p.text),
+                tokens=p.tokens,
+                finish_reason=_FINISH.get(p.last.finish_reason or "stop", pb.FINISH_REASON_STOP),
+                usage=usage_of(p.last),
+                logprobs=logprobs_of(p.logprobs),
+            )
+            _set_stop(c, p.last)
+    return msg

@@ -241,6 +241,9 @@ class StreambatchServer:
             max_tokens_limit=min(s.max_tokens_limit or longest, longest),
             max_prompt_chars=max(worker.max_model_len * 32, 4096),
             queue_timeout_ms_by_level=s.level_queue_timeout_ms,
+            max_logprobs=worker.max_logprobs,
+            # Each completion is a request of its own in the engine: n may not exceed its slots.
+            max_n=min(8, worker.max_num_seqs),
         )
 
     def _load_snapshot(self) -> LoadSnapshot | None:
@@ -331,3 +334,9 @@ class _StartingServicer(pb_grpc.GenerationServicer):
         if self.target is None:
             return pb.Load(serving=False)
         return await self.target.GetLoad(request, context)
+
+    async def Tokenize(self, request: Any, context: Any) -> Any:
+        if self.target is None:
+            await self._starting(context)
+        assert self.target is not None
+        return await self.target.Tokenize(request, context)

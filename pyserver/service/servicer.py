@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -15,7 +17,7 @@ from streambatch.v1 import generation_pb2 as pb
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
 from pyserver import __version__
-from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, WorkItem
+from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
 from pyserver.engine import EngineWorker
 from pyserver.service import convert
 from pyserver.telemetry.metrics import Metrics
@@ -32,6 +34,18 @@ STATUS = {
 }
 # Above this many characters the prompt is tokenized off the event loop.
 _INLINE_TOKENIZE_CHARS = 4096
+# What GetServerInfo advertises (LoRA is absent: this server serves no adapters).
+FEATURES = (
+    "structured_output",
+    "logprobs",
+    "prompt_logprobs",
+    "n",
+    "tokenize",
+    "stop_token_ids",
+    "min_p",
+    "logit_bias",
+    "truncate_prompt_tokens",
+)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -59,27 +73,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         async with contextlib.aclosing(self._deltas("Generate", request, context)) as deltas:
-            async for item, delta in deltas:
-                yield convert.stream_message(item.request_id, delta)
+            async for item, index, delta in deltas:
+                yield convert.stream_message(item.request_id, delta, index)
 
     async def Complete(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CompleteResponse:
-        text: list[str] = []
-        tokens: list[int] = []
+        parts: list[convert.CompletionParts] = []
         async with contextlib.aclosing(self._deltas("Complete", request, context)) as deltas:
-            async for item, delta in deltas:
-                text.append(delta.text)
-                tokens.extend(delta.token_ids)
-                if delta.final:
-                    return convert.complete_message(item.request_id, "".join(text), tokens, delta)
+            async for item, index, delta in deltas:
+                while len(parts) <= index:
+                    parts.append(convert.CompletionParts.empty())
+                parts[index].add(delta)
+                if all(p.last is not None for p in parts) and len(parts) == item.sampling.n:
+                    return convert.complete_message(item.request_id, parts)
         raise AssertionError("the delta stream ended without a final delta")
 
     async def _deltas(
         self, method: str, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncGenerator[tuple[WorkItem, Delta], None]:
-        """Accept the call, then yield its deltas up to the final one; owns the call's span,
-        its metrics and the cancel of an abandoned request. Callers hold it in
+    ) -> AsyncGenerator[tuple[WorkItem, int, Delta], None]:
+        """Accept the call, then yield (item, completion index, delta) until every completion
+        has had its final delta; owns the call's span, its metrics and the cancel of what is
+        left of an abandoned or failed call (all n completions). Callers hold it in
         contextlib.aclosing: a caller that returns (Complete) or is closed (Generate, when gRPC
         drops the stream) mid-iteration would otherwise leave this generator suspended, and
         its cleanup would run later from the loop's async-generator finalizer, after the client
@@ -87,41 +102,47 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         metadata = {k: _text(v) for k, v in (context.invocation_metadata() or ())}
         span = self._tracer.start(method, metadata)
         outcome = _Outcome()
-        item: WorkItem | None = None
+        items: list[WorkItem] = []
+        open_handles: set[int] = set()
         try:
-            item = await self._accept(request, context, metadata)
-            item.span = span
+            items = await self._accept(request, context, metadata)
+            open_handles.update(it.handle for it in items)
+            for item in items:
+                item.span = span
             self.in_flight += 1
             self.idle.clear()
-            while True:
-                delta = await item.mailbox.get()
+            async for index, delta in _merged(items):
+                if delta.final:
+                    open_handles.discard(items[index].handle)
                 if delta.error is not None:
                     outcome.fail(delta.error)
                     await self._fail(context, delta.error)
                 outcome.last = delta
-                if delta.final:
+                if not open_handles:
                     # Set before yielding: a consumer that returns on the final delta (Complete)
                     # closes this generator at the yield, and the call did succeed.
                     outcome.code = "OK"
-                yield item, delta
-                if delta.final:
+                yield items[index], index, delta
+                if not open_handles:
                     return
         except RequestError as err:  # refused before queueing
             outcome.fail(err)
             self._metrics.rejections.labels(err.kind.value).inc()
             await self._fail(context, err)
         finally:
-            if item is not None:
+            if items:
                 if outcome.code is None:  # the client went away or cancelled mid-call
                     outcome.code = "CANCELLED"
-                    self._worker.cancel(item.handle)
+                for handle in open_handles:  # cancelled, or a sibling completion failed
+                    self._worker.cancel(handle)
                 self.in_flight -= 1
                 if self.in_flight == 0:
                     self.idle.set()
-            self._record(method, span, item, outcome)
+            self._record(method, span, items, outcome)
 
-    def _record(self, method: str, span: Any, item: WorkItem | None, outcome: _Outcome) -> None:
+    def _record(self, method: str, span: Any, items: list[WorkItem], outcome: _Outcome) -> None:
         code = outcome.code or "UNKNOWN"
+        item = items[0] if items else None
         m = self._metrics
         m.requests.labels(method, code).inc()
         last = outcome.last
@@ -150,9 +171,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     "gen_ai.request.temperature": s.temperature,
                     "gen_ai.request.top_p": s.top_p,
                     "gen_ai.usage.input_tokens": len(item.prompt_token_ids),
-                    "gen_ai.usage.output_tokens": item.completion_tokens,
+                    "gen_ai.usage.output_tokens": sum(it.completion_tokens for it in items),
                 }
             )
+            if s.n > 1:
+                attributes["gen_ai.request.choice.count"] = s.n
             if last is not None and last.finish_reason:
                 attributes["gen_ai.response.finish_reasons"] = (last.finish_reason,)
                 attributes["gen_ai.usage.cached_input_tokens"] = last.cached_tokens
@@ -186,6 +209,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_num_seqs=self._worker.max_num_seqs,
             version=__version__,
             engine=self._worker.engine_version,
+            features=FEATURES,
+            max_logprobs=self._limits.max_logprobs,
+            max_n=self._limits.max_n,
+            adapters=[],
+        )
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.TokenizeResponse:
+        """The tokens Generate would give the model for this prompt (no engine involved)."""
+        tok = self._worker.tokenizer
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(
+                None,
+                functools.partial(
+                    convert.prompt_token_ids, request, tok, self._limits, check_length=False
+                ),
+            )
+        except RequestError as err:
+            await context.abort(STATUS[err.kind], err.message)
+        limit = self._limits.max_prompt_tokens
+        return pb.TokenizeResponse(
+            token_ids=ids,
+            count=len(ids),
+            max_prompt_tokens=limit,
+            max_model_len=self._limits.max_model_len,
+            fits=len(ids) <= limit,
         )
 
     async def GetLoad(
@@ -211,8 +261,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         request: pb.GenerateRequest,
         context: grpc.aio.ServicerContext[Any, Any],
         metadata: dict[str, str],
-    ) -> WorkItem:
-        """Validate and queue; raises RequestError for a call refused before queueing."""
+    ) -> list[WorkItem]:
+        """Validate and queue the call's completions (sampling.n of them, each a request of its
+        own to the queue and the engine; the prefix cache shares their prompt). Raises
+        RequestError for a call refused before queueing, with none of it left queued."""
         accepted_ns = time.monotonic_ns()
         if not self.serving:
             raise RequestError(
@@ -222,8 +274,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         request_id = convert.request_id_of(request, metadata.get("x-request-id"))
         await context.send_initial_metadata((("x-request-id", request_id),))
         priority = convert.priority_of(request, self._limits)
+        if request.adapter:
+            raise convert.invalid(
+                "adapter",
+                f"no LoRA adapter named {request.adapter[:64]!r} on this server (it serves "
+                "none; GetServerInfo lists the adapters a server has)",
+            )
         ids = await self._tokenize(request)
         sampling = convert.sampling_of(request.sampling, len(ids), self._limits)
+        await self._check_with_engine(sampling)
         remaining = context.time_remaining()
         deadline_ns = accepted_ns + int(remaining * 1e9) if remaining is not None else 0
         queue_deadline = deadline_ns
@@ -234,18 +293,42 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if queue_timeout_ms:
             limit = accepted_ns + queue_timeout_ms * 1_000_000
             queue_deadline = min(queue_deadline, limit) if queue_deadline else limit
-        item = WorkItem(
-            handle=self._worker.new_handle(),
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            priority=priority,
-            deadline_ns=deadline_ns,
-            accepted_ns=accepted_ns,
-            mailbox=Mailbox(),
-        )
-        self._worker.submit(item, queue_deadline_ns=queue_deadline)
-        return item
+        items: list[WorkItem] = []
+        for index in range(sampling.n):
+            own = sampling
+            if index and sampling.seed is not None:  # as vLLM seeds its own n completions
+                own = dataclasses.replace(sampling, seed=sampling.seed + index)
+            item = WorkItem(
+                handle=self._worker.new_handle(),
+                request_id=request_id,
+                prompt_token_ids=ids,
+                sampling=own,
+                priority=priority,
+                deadline_ns=deadline_ns,
+                accepted_ns=accepted_ns,
+                mailbox=Mailbox(),
+            )
+            try:
+                self._worker.submit(item, queue_deadline_ns=queue_deadline)
+            except RequestError:
+                for queued in items:  # all n or none
+                    self._worker.cancel(queued.handle)
+                raise
+            items.append(item)
+        return items
+
+    async def _check_with_engine(self, sampling: Sampling) -> None:
+        """The engine's own check of the settings, so that what it would refuse (a constraint
+        that does not compile, above all) is INVALID_ARGUMENT now, not after a queue wait.
+        Compiling a constraint takes milliseconds to seconds: off the event loop."""
+        if sampling.structured is None:
+            problem = self._worker.check_sampling(sampling)
+        else:
+            problem = await asyncio.get_running_loop().run_in_executor(
+                None, self._worker.check_sampling, sampling
+            )
+        if problem is not None:
+            raise convert.engine_check_error(problem, sampling)
 
     async def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
         tok = self._worker.tokenizer
@@ -290,6 +373,30 @@ class _Outcome:
     def fail(self, err: RequestError) -> None:
         self.code = STATUS[err.kind].name
         self.message = err.message
+
+
+async def _merged(items: list[WorkItem]) -> AsyncIterator[tuple[int, Delta]]:
+    """The deltas of a call's completions as they come, each with its completion's index,
+    until each has had its final delta."""
+    if len(items) == 1:
+        while True:
+            delta = await items[0].mailbox.get()
+            yield 0, delta
+            if delta.final:
+                return
+    waiting = {asyncio.ensure_future(it.mailbox.get()): i for i, it in enumerate(items)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=waiting.__getitem__):
+                index = waiting.pop(future)
+                delta = future.result()
+                if not delta.final:
+                    waiting[asyncio.ensure_future(items[index].mailbox.get())] = index
+                yield index, delta
+    finally:
+        for future in waiting:
+            future.cancel()
 
 
 def _text(value: str | bytes) -> str:

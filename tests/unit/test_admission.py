@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pyserver.domain import Mailbox, Sampling, WorkItem
+from pyserver.domain import Mailbox, Sampling, Structured, WorkItem
 from pyserver.engine.admission import admission_room, can_wait_for, preemption_victims, resumed
 
 
@@ -64,3 +64,22 @@ def test_a_resumed_request_carries_its_output_and_has_that_much_less_to_go() -> 
     assert prompt == [1, 2, 3, *range(7)]
     assert (sampling.max_tokens, sampling.min_tokens) == (13, 0)
     assert back.last_token_ns == 0  # the requeued time is not an inter-token gap
+
+
+def test_constrained_and_penalised_requests_are_never_victims() -> None:
+    """Resuming moves the output into the prompt: a constraint's state and the presence and
+    frequency penalties' output history would restart from nothing, so those keep running."""
+    constrained, penalised, plain = item(1, 0, 1), item(2, 0, 1), item(3, 0, 9)
+    constrained.sampling = Sampling(max_tokens=20, structured=Structured("regex", "[0-9]+"))
+    penalised.sampling = Sampling(max_tokens=20, frequency_penalty=0.5)
+    victims = preemption_victims(
+        [constrained, penalised, plain], top=1, needed=3, can_wait=lambda it: True
+    )
+    assert [v.handle for v in victims] == [3]
+
+
+def test_a_resumed_request_does_not_ask_for_its_prompt_logprobs_again() -> None:
+    it = item(1, 0, done=4)
+    it.sampling = Sampling(max_tokens=20, prompt_logprobs=2, logprobs=1)
+    _, sampling = resumed(it)
+    assert sampling.prompt_logprobs is None and sampling.logprobs == 1

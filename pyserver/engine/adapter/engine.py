@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pyserver.domain import Sampling
+from pyserver.domain import Sampling, TokenLogprob, TopToken
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,10 @@ class StepOutput:
     finished: bool
     finish_reason: str | None  # vLLM's: "length", "stop", "abort", ...
     cached_tokens: int  # prompt tokens the prefix cache served
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    # When asked for: per token, its logprob and every alternative vLLM returned (by rank).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # from the second prompt token on
 
 
 class Engine:
@@ -107,17 +111,45 @@ class Engine:
         out = []
         for o in self.llm.step():
             c = o.outputs[0]
+            token_ids = list(c.token_ids)
             out.append(
                 StepOutput(
                     int(o.request_id),
-                    list(c.token_ids),
+                    token_ids,
                     c.text,
                     bool(o.finished),
                     c.finish_reason,
                     int(o.num_cached_tokens or 0),
+                    c.stop_reason,
+                    None if c.logprobs is None else _logprobs(token_ids, c.logprobs),
+                    None if not o.prompt_logprobs else _prompt_logprobs(o),
                 )
             )
         return out
+
+    def check(self, sampling: Sampling) -> tuple[str | None, str] | None:
+        """vLLM's own check of sampling settings (SamplingParams.verify: logprob limits,
+        token ids, whether a structured-output constraint compiles), without adding a request:
+        None when vLLM accepts them, else (the parameter vLLM names, if any; its message).
+        Safe off the engine thread: it reads the model's config and tokenizer only."""
+        params = sampling_params(sampling)
+        config = self.llm.vllm_config
+        try:
+            params.verify(
+                config.model_config,
+                config.speculative_config,
+                config.structured_outputs_config,
+                self.llm.get_tokenizer(),
+            )
+        except self._request_errors as exc:
+            return getattr(exc, "parameter", None), str(exc)
+        return None
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for (vLLM's --max-logprobs)."""
+        value = int(self.llm.model_config.max_logprobs)
+        return self.vocab_size if value < 0 else value
 
     def shutdown(self) -> None:
         """Stop the engine core (and its process, if separate); after a failure it may be gone
@@ -177,5 +209,61 @@ def sampling_params(s: Sampling) -> Any:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         min_tokens=s.min_tokens,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        min_p=s.min_p,
+        logit_bias=dict(s.logit_bias) or None,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        skip_special_tokens=s.skip_special_tokens,
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
+        structured_outputs=_structured(s),
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def _structured(s: Sampling) -> Any:
+    if s.structured is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, value = s.structured.kind, s.structured.value
+    if isinstance(value, tuple):
+        return StructuredOutputsParams(choice=list(value))
+    if isinstance(value, bool):
+        return StructuredOutputsParams(json_object=value)
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=value)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=value)
+    return StructuredOutputsParams(grammar=value)
+
+
+def _position(token_id: int, entries: Any) -> TokenLogprob:
+    """One position of vLLM's logprobs ({token id: Logprob}) as the chosen token's entry with
+    every returned token as an alternative, most likely first."""
+    top = sorted(
+        (TopToken(tid, lp.decoded_token or "", float(lp.logprob), int(lp.rank or 0))
+         for tid, lp in entries.items()),
+        key=lambda t: t.rank,
+    )  # fmt: skip
+    chosen = entries.get(token_id)
+    if chosen is None:  # vLLM always returns the chosen token; keep the record whole anyway
+        return TokenLogprob(token_id, "", float("nan"), 0, tuple(top))
+    return TokenLogprob(
+        token_id, chosen.decoded_token or "", float(chosen.logprob), int(chosen.rank or 0),
+        tuple(top),
+    )  # fmt: skip
+
+
+def _logprobs(token_ids: list[int], positions: Any) -> list[TokenLogprob]:
+    return [_position(t, entries) for t, entries in zip(token_ids, positions, strict=False)]
+
+
+def _prompt_logprobs(o: Any) -> list[TokenLogprob]:
+    # Position 0 has no logprob (nothing precedes it): vLLM gives None there.
+    ids = list(o.prompt_token_ids or ())
+    return [
+        _position(t, entries)
+        for t, entries in zip(ids, o.prompt_logprobs, strict=False)
+        if entries is not None
+    ]
