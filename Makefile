@@ -9,7 +9,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_HOST_IP ?= 127.0.0.1
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model serve test test-cpp test-py test-vllm-previous lint bench bench-queue bench-tracing bench-priority bench-goodput bench-batching bench-step profile soak clean
+.PHONY: install model serve test test-cpp test-py test-vllm-previous proto-check lint bench bench-queue bench-tracing bench-features bench-priority bench-goodput bench-batching bench-step profile soak clean
 
 # Third-party dependencies: reinstalled only when pyproject.toml changes.
 $(VENV)/.deps-stamp: pyproject.toml
@@ -36,7 +36,15 @@ serve: model
 	$(VENV)/bin/streambatch serve
 
 # Lint first: CI runs `make test`, so style and types are checked on every submission.
-test: lint test-cpp test-py test-vllm-previous
+test: lint proto-check test-cpp test-py test-vllm-previous
+
+# The streambatch.v1 contract (buf.yaml): buf lint, and buf breaking (wire, JSON and generated
+# code) against the proto before its latest change, or against HEAD while it has edits.
+proto-check: install
+	$(VENV)/bin/buf lint
+	@if git diff --quiet HEAD -- proto; then base="$$(git log -n1 --format=%H -- proto)~1"; \
+	 else base=HEAD; fi; echo "buf breaking against $$base"; \
+	 $(VENV)/bin/buf breaking --against ".git#ref=$$base,subdir=proto"
 
 # The C++ core under ctest: plain, then with ASan+UBSan, then with TSan.
 test-cpp:
@@ -62,7 +70,8 @@ VLLM_PREVIOUS := 0.31.0
 test-vllm-previous: model .vllm-previous/vllm_cpu-$(VLLM_PREVIOUS).dist-info
 	PYTHONPATH=.vllm-previous $(PY) -c 'import vllm; assert vllm.__version__ == "$(VLLM_PREVIOUS)", vllm.__version__'
 	PYTHONPATH=.vllm-previous $(PY) -m pytest -ra -q tests/unit/test_scheduler_subclass.py \
-	  tests/unit/test_cli.py tests/integration/test_serving.py -k "not separate"
+	  tests/unit/test_cli.py tests/integration/test_serving.py tests/integration/test_api_features.py \
+	  -k "not separate"
 
 lint: install
 	$(VENV)/bin/ruff check pyserver tests bench
@@ -104,6 +113,10 @@ soak: model
 
 bench-tracing: model
 	$(PY) bench/tracing_overhead.py
+
+# What structured output (a JSON schema) and top-5 logprobs cost against free output.
+bench-features: model
+	$(PY) bench/features.py
 
 clean:
 	rm -rf build

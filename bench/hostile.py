@@ -60,7 +60,26 @@ HOSTILE_FIELDS = (
     "priority",
     "request_id",
     "queue_timeout_ms",
+    "structured",
+    "logprobs",
+    "n",
+    "token_options",  # stop_token_ids, logit_bias, min_p
+    "truncate",
+    "adapter",
 )
+constraints = st.one_of(
+    st.builds(lambda t: pb.StructuredOutput(json_schema=t),
+              st.one_of(odd_text, st.sampled_from(['{"type": "object"}', '{"type": "nonsense"}',
+                                                    "[]", "true", '{"enum": []}']))),
+    st.builds(lambda t: pb.StructuredOutput(regex=t),
+              st.one_of(odd_text, st.sampled_from(["[0-9", "a{3}", "(", ".*", "\\"]))),
+    st.builds(lambda t: pb.StructuredOutput(grammar=t),
+              st.one_of(odd_text, st.sampled_from(['root ::= "a"', "root ::= (", "x ::= y"]))),
+    st.builds(lambda c: pb.StructuredOutput(choice=pb.ChoiceList(choices=c)),
+              st.lists(odd_text, max_size=4)),
+    st.builds(lambda b: pb.StructuredOutput(json_object=b), st.booleans()),
+    st.just(pb.StructuredOutput()),
+)  # fmt: skip
 sane_text = st.text(
     st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=40
 )
@@ -124,6 +143,23 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
         req.request_id = draw(odd_text)
     if "queue_timeout_ms" in hostile:
         req.queue_timeout_ms = draw(st.sampled_from([1, 1000, 2**32 - 1]))
+    if "structured" in hostile:
+        s.structured.CopyFrom(draw(constraints))
+    if "logprobs" in hostile:
+        s.logprobs = draw(st.sampled_from([0, 5, 20, 21, 2**32 - 1]))
+        if draw(st.booleans()):
+            s.prompt_logprobs = draw(st.sampled_from([0, 1, 21, 2**32 - 1]))
+    if "n" in hostile:
+        s.n = draw(st.sampled_from([0, 2, 3, 9, 2**32 - 1]))
+    if "token_options" in hostile:
+        s.stop_token_ids.extend(draw(st.lists(st.integers(0, 2**32 - 1), max_size=20)))
+        s.logit_bias.update(draw(st.dictionaries(st.integers(0, 2**32 - 1), floats, max_size=4)))
+        if draw(st.booleans()):
+            s.min_p = draw(floats)
+    if "truncate" in hostile:
+        req.truncate_prompt_tokens = draw(st.sampled_from([1, 3, 2**32 - 1]))
+    if "adapter" in hostile:
+        req.adapter = draw(odd_text)
     return req
 
 

@@ -56,6 +56,19 @@ def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _lora(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    from pyserver.engine.adapter.build import lora_rank
+
+    try:
+        lora_rank(path)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return name, path
+
+
 def _add(
     p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any, help: str
 ) -> None:
@@ -96,6 +109,15 @@ def _serve_parser(sub: Any) -> None:
         "KV cache size on the CPU; sets VLLM_CPU_KVCACHE_SPACE (default: that variable, else 1)",
     )
     _add(p, "--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for vLLM (GPU only)")
+    p.add_argument(
+        "--lora",
+        metavar="NAME=PATH",
+        action="append",
+        type=_lora,
+        default=[],
+        help="serve a LoRA adapter (a PEFT folder) to requests naming it; repeatable. vLLM's "
+        "--max-loras and --max-lora-rank default to all adapters in one step and their rank",
+    )
     _add(p, "--tensor-parallel-size", int, 1, "vLLM tensor parallelism")
     _add(p, "--pipeline-parallel-size", int, 1, "vLLM pipeline parallelism")
     _add(
@@ -296,6 +318,15 @@ def _prepare_engine_env(args: argparse.Namespace) -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.engine_threads)
 
 
+def _adapters(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    adapters: dict[str, str] = {}
+    for name, path in pairs:
+        if name in adapters:
+            raise SystemExit(f"streambatch serve: error: --lora {name} given twice")
+        adapters[name] = path
+    return adapters
+
+
 def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -338,6 +369,7 @@ def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
             pipeline_parallel_size=args.pipeline_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             separate_process=os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1",
+            lora_adapters=_adapters(args.lora),
             extra=vllm_flags,
         ),
         host=args.host,

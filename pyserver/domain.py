@@ -60,10 +60,14 @@ class Sampling:
     @property
     def resumable(self) -> bool:
         """Whether the call may be stopped and resumed with its output moved into its prompt
-        (streambatch's priority preemption). A constraint's state and the presence/frequency
-        penalties' output history would restart from nothing, so such calls are not."""
+        (streambatch's priority preemption). A constraint's state, the presence/frequency
+        penalties' output history and a seeded generator's position would restart from
+        nothing, so such calls are not."""
         return (
-            self.structured is None and self.presence_penalty == 0 and self.frequency_penalty == 0
+            self.structured is None
+            and self.presence_penalty == 0
+            and self.frequency_penalty == 0
+            and self.seed is None
         )
 
 
@@ -191,3 +195,4 @@ class WorkItem:
     prediction: Any = None  # the worker's finish-time Prediction at submit (opaque here)
     expected_tokens: float = 0.0  # output tokens the worker expects it to generate
     refusal_predicted: bool = False  # shadow deadline admission would have refused it
+    adapter: str = ""  # a LoRA adapter's name; empty: the base model

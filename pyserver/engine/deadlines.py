@@ -26,7 +26,7 @@ class EngineView:
 
     running: frozenset[int] = frozenset()  # handles in the engine
     remaining_steps: tuple[float, ...] = ()  # their expected remaining steps
-    below_top: int = 0  # how many of them are below the top level (preemptable)
+    below_top: int = 0  # how many of them a top-priority call may preempt
     slots: int = 1  # the admitted-concurrency limit
 
     @classmethod
@@ -34,7 +34,7 @@ class EngineView:
         return cls(
             frozenset(it.handle for it in running),
             tuple(max(1.0, it.expected_tokens - it.completion_tokens) for it in running),
-            sum(1 for it in running if it.priority < top),
+            sum(1 for it in running if it.priority < top and it.sampling.resumable),
             slots,
         )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pyserver.domain import Delta, Mailbox, TokenLogprob, WorkItem
+from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, TokenLogprob, WorkItem
 from pyserver.engine.adapter.engine import StepOutput
 from pyserver.engine.deadlines import DeadlineAdmission
 from pyserver.scheduling import AdaptiveBatchController
@@ -74,7 +74,10 @@ class StepOutputs:
                 delta.logprobs = _trimmed(o.logprobs, s.logprobs)
             if o.prompt_logprobs is not None and s.prompt_logprobs is not None:
                 delta.prompt_logprobs = _trimmed(o.prompt_logprobs, s.prompt_logprobs)
-            if o.finished:
+            if o.finished and o.finish_reason == "error":
+                delta.error = _engine_error(item)
+                finished.append(o.handle)
+            elif o.finished:
                 delta.finish_reason = "length" if o.finish_reason == "length" else "stop"
                 if delta.finish_reason == "stop":
                     _fill_stop(delta, item, o.stop_reason)
@@ -108,6 +111,19 @@ class StepOutputs:
             if ctl is not None and ctl.metric == "itl":
                 ctl.observe(itl_s * 1e3)
         item.last_token_ns = now
+
+
+def _engine_error(item: WorkItem) -> RequestError:
+    """vLLM ended the request with an error (finish reason "error"): with a constraint, the
+    constraint could not be applied (its compile failed in the engine core, or it rejected
+    every token), which is the caller's to fix; otherwise the engine's."""
+    if item.sampling.structured is not None:
+        return RequestError(
+            ErrorKind.INVALID,
+            f"sampling.structured.{item.sampling.structured.kind}: the engine could not apply "
+            "the constraint (it did not compile there, or no token could satisfy it)",
+        )
+    return RequestError(ErrorKind.UNAVAILABLE, "the engine ended the request with an error")
 
 
 def _trimmed(positions: list[TokenLogprob], k: int) -> list[TokenLogprob]:

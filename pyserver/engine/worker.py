@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pyserver.batching import BatchQueue, PushStatus, QueueConfig
-from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
+from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, WorkItem
 from pyserver.engine import adapter
 from pyserver.engine.admission import (
     admission_room,
@@ -79,6 +79,8 @@ class EngineWorker:
         self.max_num_seqs = engine.max_num_seqs
         self.vocab_size = engine.vocab_size
         self.max_logprobs = engine.max_logprobs
+        self.adapters = engine.adapter_names
+        self.check_sampling = engine.check  # vLLM's verdict on settings, before any queueing
         shared_block = engine.block_size if engine.prefix_caching else 0  # prefix cache: shared
         self.kv = KvLedger(engine.kv_capacity_tokens, shared_block)
         if controller_knob not in ("concurrency", "step_tokens"):
@@ -162,9 +164,6 @@ class EngineWorker:
         if status == PushStatus.CLOSED:
             raise RequestError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         raise RequestError(ErrorKind.INVALID, f"request rejected by the queue ({cost} tokens)")
-
-    def check_sampling(self, sampling: Sampling) -> tuple[str | None, str] | None:
-        return self._engine.check(sampling)  # vLLM's verdict, before any queueing
 
     def cancel(self, handle: int) -> None:
         """The client went away: drop it from the queue, or abort it in the engine next step."""
@@ -281,7 +280,7 @@ class EngineWorker:
         if not item.admitted_ns:
             item.admitted_ns = now
         prompt, sampling = resumed(item)
-        if not self._engine.add(item.handle, prompt, sampling, item.priority, item.request_id):
+        if not self._engine.add(item, prompt, sampling):
             return RequestError(
                 ErrorKind.INVALID,
                 f"the engine refused request {item.request_id}: a sampling setting or the "

@@ -101,9 +101,13 @@ def sampling_of(s: pb.SamplingParams, prompt_tokens: int, limits: Limits) -> Sam
     n = s.n or 1
     if n > limits.max_n:
         raise invalid("sampling.n", f"must be at most {limits.max_n}, got {n}")
+    if n > 1 and s.HasField("temperature") and s.temperature == 0:
+        raise invalid(
+            "sampling.n", "must be 1 with temperature 0: greedy completions are identical"
+        )
     return Sampling(
         max_tokens=max_tokens,
-        temperature=_finite("sampling.temperature", s.temperature, 0.0, 10.0)
+        temperature=_finite("sampling.temperature", s.temperature, 0.0, 2.0)
         if s.HasField("temperature")
         else 1.0,
         top_p=_finite("sampling.top_p", s.top_p, 0.0, 1.0, lo_open=True)

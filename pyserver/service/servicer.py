@@ -34,7 +34,7 @@ STATUS = {
 }
 # Above this many characters the prompt is tokenized off the event loop.
 _INLINE_TOKENIZE_CHARS = 4096
-# What GetServerInfo advertises (LoRA is absent: this server serves no adapters).
+# What GetServerInfo advertises ("lora" too when the server serves adapters).
 FEATURES = (
     "structured_output",
     "logprobs",
@@ -111,20 +111,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 item.span = span
             self.in_flight += 1
             self.idle.clear()
-            async for index, delta in _merged(items):
-                if delta.final:
-                    open_handles.discard(items[index].handle)
-                if delta.error is not None:
-                    outcome.fail(delta.error)
-                    await self._fail(context, delta.error)
-                outcome.last = delta
-                if not open_handles:
-                    # Set before yielding: a consumer that returns on the final delta (Complete)
-                    # closes this generator at the yield, and the call did succeed.
-                    outcome.code = "OK"
-                yield items[index], index, delta
-                if not open_handles:
-                    return
+            async with contextlib.aclosing(_merged(items)) as merged:
+                async for index, delta in merged:
+                    if delta.final:
+                        open_handles.discard(items[index].handle)
+                    if delta.error is not None:
+                        outcome.fail(delta.error)
+                        await self._fail(context, delta.error)
+                    if index == 0:  # the call's metrics and span follow completion 0
+                        outcome.last = delta
+                    if not open_handles:
+                        # Set before yielding: a consumer that returns on the final delta
+                        # (Complete) closes this generator at the yield, and the call did
+                        # succeed.
+                        outcome.code = "OK"
+                    yield items[index], index, delta
+                    if not open_handles:
+                        return
         except RequestError as err:  # refused before queueing
             outcome.fail(err)
             self._metrics.rejections.labels(err.kind.value).inc()
@@ -209,10 +212,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_num_seqs=self._worker.max_num_seqs,
             version=__version__,
             engine=self._worker.engine_version,
-            features=FEATURES,
+            features=FEATURES + (("lora",) if self._worker.adapters else ()),
             max_logprobs=self._limits.max_logprobs,
             max_n=self._limits.max_n,
-            adapters=[],
+            adapters=self._worker.adapters,
         )
 
     async def Tokenize(
@@ -274,11 +277,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         request_id = convert.request_id_of(request, metadata.get("x-request-id"))
         await context.send_initial_metadata((("x-request-id", request_id),))
         priority = convert.priority_of(request, self._limits)
-        if request.adapter:
+        adapters = self._worker.adapters
+        if request.adapter and request.adapter not in adapters:
+            served = ", ".join(adapters) if adapters else "none"
             raise convert.invalid(
                 "adapter",
                 f"no LoRA adapter named {request.adapter[:64]!r} on this server (it serves "
-                "none; GetServerInfo lists the adapters a server has)",
+                f"{served}; GetServerInfo lists them)",
             )
         ids = await self._tokenize(request)
         sampling = convert.sampling_of(request.sampling, len(ids), self._limits)
@@ -296,8 +301,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         items: list[WorkItem] = []
         for index in range(sampling.n):
             own = sampling
-            if index and sampling.seed is not None:  # as vLLM seeds its own n completions
-                own = dataclasses.replace(sampling, seed=sampling.seed + index)
+            if index:  # prompt logprobs once, on completion 0; seeds as vLLM seeds its own n
+                seed = None if sampling.seed is None else sampling.seed + index
+                own = dataclasses.replace(sampling, seed=seed, prompt_logprobs=None)
             item = WorkItem(
                 handle=self._worker.new_handle(),
                 request_id=request_id,
@@ -307,6 +313,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 deadline_ns=deadline_ns,
                 accepted_ns=accepted_ns,
                 mailbox=Mailbox(),
+                adapter=request.adapter,
             )
             try:
                 self._worker.submit(item, queue_deadline_ns=queue_deadline)
@@ -375,7 +382,7 @@ class _Outcome:
         self.message = err.message
 
 
-async def _merged(items: list[WorkItem]) -> AsyncIterator[tuple[int, Delta]]:
+async def _merged(items: list[WorkItem]) -> AsyncGenerator[tuple[int, Delta], None]:
     """The deltas of a call's completions as they come, each with its completion's index,
     until each has had its final delta."""
     if len(items) == 1:

@@ -176,7 +176,8 @@ def test_grpcurl_n_two_completions_each_with_its_index_and_finish(live_server) -
         live_server.target,
         "Generate",
         {"text": "Once upon a time",
-         "sampling": {"max_tokens": 12, "temperature": 1.0, "seed": 11, "n": 2}},
+         "sampling": {"max_tokens": 12, "temperature": 1.0, "seed": 11, "n": 2,
+                      "prompt_logprobs": 0}},
     )  # fmt: skip
     by_index: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
     for m in messages:
@@ -187,6 +188,9 @@ def test_grpcurl_n_two_completions_each_with_its_index_and_finish(live_server) -
         assert sum(1 for m in mine if "finish_reason" in m) == 1
         tokens = sum(len(m.get("token_ids", [])) for m in mine)
         assert mine[-1]["usage"]["completion_tokens"] == tokens
+    # The prompt's logprobs once, with completion 0 (and computed once).
+    assert by_index[0][0].get("prompt_logprobs")
+    assert not any(m.get("prompt_logprobs") for m in by_index[1])
 
 
 def test_completion_i_of_n_samples_with_seed_plus_i(live_server) -> None:  # type: ignore[no-untyped-def]
@@ -202,12 +206,13 @@ def test_completion_i_of_n_samples_with_seed_plus_i(live_server) -> None:  # typ
     # The first tokens only: further on, bf16 sums in a batch of two and of one differ enough
     # to tip a sample now and then.
     assert s.Complete(single, timeout=60).tokens[:3] == both.completions[1].tokens[:3]
-    assert both.completions[0].tokens[:3] != both.completions[1].tokens[:3]
+    assert both.completions[0].tokens != both.completions[1].tokens
 
 
 def test_cancelling_an_n_call_aborts_every_completion(live_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(live_server.target)
-    req = request("Count to a thousand.", max_tokens=400, ignore_eos=True)
+    # Far more tokens than the engine makes in the 10 s below: idle then means aborted.
+    req = request("Count to a thousand.", max_tokens=1500, ignore_eos=True, temperature=1.0)
     req.sampling.n = 3
     call = s.Generate(req, timeout=120)
     seen = set()
@@ -226,10 +231,13 @@ def test_cancelling_an_n_call_aborts_every_completion(live_server) -> None:  # t
 def test_n_beyond_the_servers_limit_is_refused(live_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(live_server.target)
     limit = s.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).max_n
-    req = request("Hi", max_tokens=4)
+    req = request("Hi", max_tokens=4, temperature=1.0)
     req.sampling.n = limit + 1
     r = run_stream(s, req)
     assert r.code == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in r.details
+    req.sampling.n, req.sampling.temperature = 2, 0.0  # n identical greedy completions
+    r = run_stream(s, req)
+    assert r.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature 0" in r.details
 
 
 PROMPT = "The capital of France is"
@@ -269,7 +277,15 @@ def test_which_stop_matched_is_on_the_last_message(live_server) -> None:  # type
 def test_logit_bias_min_p_and_special_tokens_reach_the_engine(live_server) -> None:  # type: ignore[no-untyped-def]
     biased = _greedy(live_server.target, logit_bias={42: 100.0}, max_tokens=4)
     assert list(biased.tokens) == [42] * 4
-    assert _greedy(live_server.target, min_p=0.5).text == _greedy(live_server.target).text
+    # Sampling at temperature 1 with min_p 1 keeps only the most likely token: greedy output.
+    greedy = _greedy(live_server.target, max_tokens=12).tokens
+    sampled = [_greedy(live_server.target, max_tokens=12, temperature=1.0, seed=seed).tokens
+               for seed in (1, 2, 3)]  # fmt: skip
+    assert any(t != greedy for t in sampled)  # the control: without min_p it samples
+    assert (
+        _greedy(live_server.target, max_tokens=12, temperature=1.0, seed=1, min_p=1.0).tokens
+        == greedy
+    )
     s = stub(live_server.target)
     special = live_server.worker.tokenizer.convert_ids_to_tokens(1)  # <|im_start|>
     skipped = _greedy(live_server.target, logit_bias={1: 100.0}, max_tokens=2)

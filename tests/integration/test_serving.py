@@ -273,10 +273,10 @@ class EngineSteps:
                     self.first_token.setdefault(str(o.handle), self.count)
             return outputs
 
-        def noted_add(handle, prompt, sampling, priority, request_id):  # type: ignore[no-untyped-def]
-            self.added_before.setdefault(str(handle), self.count + 1)
-            self.priority[str(handle)] = priority
-            return add(handle, prompt, sampling, priority, request_id)
+        def noted_add(item, prompt, sampling):  # type: ignore[no-untyped-def]
+            self.added_before.setdefault(str(item.handle), self.count + 1)
+            self.priority[str(item.handle)] = item.priority
+            return add(item, prompt, sampling)
 
         monkeypatch.setattr(worker._engine, "step", counted_step)
         monkeypatch.setattr(worker._engine, "add", noted_add)

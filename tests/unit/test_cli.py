@@ -123,3 +123,23 @@ def test_other_commands_still_reject_unknown_flags() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["model", "pull", "--no-such-flag"])
     assert exit_info.value.code == 2
+
+
+def test_lora_flags_name_adapters_and_size_vllms_lora_buffers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from pyserver.engine import EngineOptions
+    from pyserver.engine.adapter.build import _engine_args
+
+    small, big = tmp_path / "small", tmp_path / "big"
+    for folder, config in ((small, {"r": 4}), (big, {"r": 8, "rank_pattern": {"q_proj": 24}})):
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+    args = build_parser().parse_args(["serve", "--lora", f"a={small}", "--lora", f"b={big}"])
+    assert args.lora == [("a", str(small)), ("b", str(big))]
+    kwargs = _engine_args(EngineOptions(model="m", lora_adapters=dict(args.lora)))
+    # The largest rank (24, from rank_pattern) rounded up to one vLLM sizes for.
+    assert kwargs["enable_lora"] and kwargs["max_lora_rank"] == 32 and kwargs["max_loras"] == 2
+    for bad in ("noequals", f"x={tmp_path / 'missing'}", "=path"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--lora", bad])

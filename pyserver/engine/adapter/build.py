@@ -4,6 +4,7 @@ subclass and a stats tap attached, on a thread that is gone when the engine is b
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ class EngineOptions:
     # The engine core in its own process (vLLM's multiprocess mode) rather than in this one.
     # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=1 also gives that; in-process needs it at 0.
     separate_process: bool = False
+    # LoRA adapters a request may name: name -> a PEFT adapter folder (adapter_config.json).
+    lora_adapters: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,8 +85,35 @@ def _engine_args(options: EngineOptions) -> dict[str, Any]:
         kwargs["max_num_scheduled_tokens"] = options.step_tokens
     if options.kv_cache_memory_bytes:
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
+    if options.lora_adapters:
+        # Unless given as vLLM flags: room for every adapter's rank, and for all of them in
+        # one step (a step mixes base and adapter requests either way).
+        kwargs["enable_lora"] = True
+        rank = max(lora_rank(p) for p in options.lora_adapters.values())
+        kwargs["max_lora_rank"] = next(r for r in _VLLM_LORA_RANKS if r >= rank)
+        kwargs["max_loras"] = len(options.lora_adapters)
     kwargs.update(options.extra)
     return kwargs
+
+
+# The ranks vLLM sizes its LoRA buffers for (its max_lora_rank accepts only these).
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank(folder: str) -> int:
+    """A PEFT adapter's largest rank (its adapter_config.json "r", and any per-module
+    "rank_pattern"); ValueError naming what is wrong."""
+    config = Path(folder) / "adapter_config.json"
+    try:
+        fields = json.loads(config.read_text())
+        ranks = [fields["r"], *(fields.get("rank_pattern") or {}).values()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{config}: not a PEFT LoRA adapter config ({exc})") from exc
+    if not all(isinstance(r, int) and r >= 1 for r in ranks):
+        raise ValueError(f"{config}: ranks must be positive integers, got {ranks}")
+    if max(ranks) > _VLLM_LORA_RANKS[-1]:
+        raise ValueError(f"{config}: rank {max(ranks)} is above vLLM's {_VLLM_LORA_RANKS[-1]}")
+    return int(max(ranks))
 
 
 class EngineConfigError(ValueError):
@@ -194,7 +224,13 @@ def _construct_engine(options: EngineOptions) -> Engine:
         raise EngineConfigError(
             f"{_one_line(exc)} (the engine core's own reason is logged above)"
         ) from exc
-    return Engine(llm, stats)
+    engine = Engine(llm, stats, options.lora_adapters)
+    try:
+        engine.load_adapters()  # a bad adapter fails the start, not the first call naming it
+    except Exception as exc:
+        engine.shutdown()
+        raise EngineConfigError(f"--lora: {_one_line(exc)}") from exc
+    return engine
 
 
 def build_engine(options: EngineOptions) -> Engine:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pyserver.domain import Sampling, TokenLogprob, TopToken
+from pyserver.domain import Sampling, TokenLogprob, TopToken, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,18 @@ class StepOutput:
 class Engine:
     """A built engine: vLLM's LLMEngine and the handles streambatch keeps on it."""
 
-    def __init__(self, llm: Any, stats: VllmStats) -> None:
+    def __init__(self, llm: Any, stats: VllmStats, adapters: dict[str, str] | None = None) -> None:
         from vllm.exceptions import VLLMClientError
+        from vllm.lora.request import LoRARequest
 
         self.llm = llm
         self.stats = stats
+        # Loaded at start (load_adapters); up to max_loras of them in one step.
+        self._loras = {
+            name: LoRARequest(name, index, path)
+            for index, (name, path) in enumerate(sorted((adapters or {}).items()), start=1)
+        }
+        self.adapter_names: tuple[str, ...] = tuple(self._loras)
         # What vLLM raises for a bad request before it touches engine state.
         self._request_errors: tuple[type[Exception], ...] = (VLLMClientError, ValueError)
         config = llm.vllm_config
@@ -72,6 +79,12 @@ class Engine:
             config.scheduler_config.max_num_scheduled_tokens or self.max_step_tokens
         )
 
+    def load_adapters(self) -> None:
+        """Load every LoRA adapter into the engine now (vLLM would on first use)."""
+        for name, lora in self._loras.items():
+            if not self.llm.add_lora(lora):
+                raise ValueError(f"vLLM did not load adapter {name!r}")
+
     @property
     def version(self) -> str:
         import vllm
@@ -81,24 +94,24 @@ class Engine:
     def get_tokenizer(self) -> Any:
         return self.llm.get_tokenizer()
 
-    def add(
-        self, handle: int, prompt: list[int], sampling: Sampling, priority: int, request_id: str
-    ) -> bool:
-        """Hand a request to vLLM at streambatch `priority`; False when vLLM refuses it as a bad
-        request (logged with vLLM's reason; the engine is fine). Anything else raises: the
-        engine failed. The log gets vLLM's text but never the caller's: no prompt, no sampling
-        settings (they hold stop strings)."""
+    def add(self, item: WorkItem, prompt: list[int], sampling: Sampling) -> bool:
+        """Hand a request to vLLM (this prompt and sampling: a resumed request's differ from
+        the item's) at streambatch priority, with its LoRA adapter; False when vLLM refuses it
+        as a bad request (logged with vLLM's reason; the engine is fine). Anything else raises:
+        the engine failed. The log gets vLLM's text but never the caller's: no prompt, no
+        sampling settings (they hold stop strings)."""
         try:
             self.llm.add_request(
-                str(handle),
+                str(item.handle),
                 {"prompt_token_ids": prompt},
                 sampling_params(sampling),
-                priority=-priority,  # lower is more urgent in vLLM
+                lora_request=self._loras[item.adapter] if item.adapter else None,
+                priority=-item.priority,  # lower is more urgent in vLLM
             )
         except self._request_errors as exc:
             log.warning(
                 "engine refused request %s (%d prompt tokens): %s: %s",
-                request_id, len(prompt), type(exc).__name__, exc,
+                item.request_id, len(prompt), type(exc).__name__, exc,
             )  # fmt: skip
             return False
         return True
@@ -132,9 +145,9 @@ class Engine:
         token ids, whether a structured-output constraint compiles), without adding a request:
         None when vLLM accepts them, else (the parameter vLLM names, if any; its message).
         Safe off the engine thread: it reads the model's config and tokenizer only."""
-        params = sampling_params(sampling)
         config = self.llm.vllm_config
         try:
+            params = sampling_params(sampling)  # its constructor checks ranges itself
             params.verify(
                 config.model_config,
                 config.speculative_config,
