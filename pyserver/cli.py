@@ -34,6 +34,24 @@ def usable_cpu_list() -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
+class UsageError(Exception):
+    """A serve configuration streambatch refuses before starting: one line, exit status 2."""
+
+
+def rank_cpu_lists(ranks: int) -> str:
+    """The usable cores split into `ranks` equal groups in VLLM_CPU_OMP_THREADS_BIND's per-rank
+    syntax ("0|1", "0-1|2-3"); UsageError when there are fewer cores than ranks."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise UsageError(
+            f"{ranks} parallel ranks need at least {ranks} usable cores on the CPU, this "
+            f"process has {len(cores)}"
+        )
+    per = len(cores) // ranks
+    groups = [cores[i * per : (i + 1) * per] for i in range(ranks)]
+    return "|".join(",".join(str(c) for c in g) for g in groups)
+
+
 def has_cuda_device() -> bool:
     """An NVIDIA device node, checked without importing torch (the engine's environment must be
     set before torch loads)."""
@@ -302,11 +320,24 @@ def _prepare_engine_env(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if args.engine_process is not None:
         if args.engine_process not in ("inproc", "separate"):
-            raise SystemExit("--engine-process must be inproc or separate")
+            raise UsageError("--engine-process must be inproc or separate")
         multiprocessing = "0" if args.engine_process == "inproc" else "1"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if has_cuda_device() else "0")
-    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and not has_cuda_device():
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    if not has_cuda_device() and args.pipeline_parallel_size > 1:
+        # vLLM 0.32's CPU backend starts it, then the first request kills the engine (KeyError
+        # in the scheduler's update_from_output on the batch-queue path); its own offline
+        # LLM(pipeline_parallel_size=2) fails the same way here (docs/deploy.md).
+        raise UsageError(
+            "--pipeline-parallel-size > 1 fails in vLLM's CPU backend on the first request; "
+            "use --tensor-parallel-size on the CPU"
+        )
+    if ranks > 1 and not has_cuda_device():
+        # vLLM runs each rank as a process and binds each to one group of cores ("0|1"); with
+        # one list for all ranks they would share cores. The usable cores split evenly.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rank_cpu_lists(ranks))
+    elif os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and not has_cuda_device():
         # A separate engine core on the CPU: vLLM's automatic binding keeps a core back for the
         # serving process, which measured 0.68x of in-process throughput on 2 cores; vLLM's
         # documented binding over every core is what its own servers are benchmarked with.
@@ -322,7 +353,7 @@ def _adapters(pairs: list[tuple[str, str]]) -> dict[str, str]:
     adapters: dict[str, str] = {}
     for name, path in pairs:
         if name in adapters:
-            raise SystemExit(f"streambatch serve: error: --lora {name} given twice")
+            raise UsageError(f"--lora {name} given twice")
         adapters[name] = path
     return adapters
 
@@ -428,7 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.cmd == "serve":
-        return _serve(args, unknown)
+        try:
+            return _serve(args, unknown)
+        except UsageError as exc:
+            print(f"streambatch serve: error: {exc}", file=sys.stderr)
+            return 2
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.cmd == "model":

@@ -143,3 +143,31 @@ def test_lora_flags_name_adapters_and_size_vllms_lora_buffers(tmp_path) -> None:
     for bad in ("noequals", f"x={tmp_path / 'missing'}", "=path"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--lora", bad])
+
+
+def test_tensor_parallel_ranks_on_the_cpu_get_a_core_group_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pyserver.cli import UsageError
+
+    monkeypatch.setattr("pyserver.cli.has_cuda_device", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 7})
+    _prepare_engine_env(_serve("--tensor-parallel-size", "2"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"  # the odd core left out
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    _prepare_engine_env(_serve("--tensor-parallel-size", "2"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"  # the operator's binding stays
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(UsageError, match="2 parallel ranks need at least 2"):
+        _prepare_engine_env(_serve("--tensor-parallel-size", "2"))
+
+
+def test_pipeline_parallel_on_the_cpu_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pyserver.cli import UsageError, main
+
+    monkeypatch.setattr("pyserver.cli.has_cuda_device", lambda: False)
+    with pytest.raises(UsageError, match="pipeline-parallel-size"):
+        _prepare_engine_env(_serve("--pipeline-parallel-size", "2"))
+    assert main(["serve", "--pipeline-parallel-size", "2"]) == 2
