@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -11,14 +12,37 @@ from google.protobuf import json_format
 from streambatch.v1 import generation_pb2 as pb
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
+# What a client of a replicated streambatch should use (docs/deploy.md): a call refused before
+# it got response headers (a replica draining or gone: UNAVAILABLE; a full queue:
+# RESOURCE_EXHAUSTED, after the server's grpc-retry-pushback-ms) is sent again, up to 5 times;
+# behind a balancer the retry reaches another replica. A call that has streamed is never
+# retried (gRPC commits it at the first response headers).
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "streambatch.v1.Generation"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.2s",
+                    "maxBackoff": "5s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
+                },
+            }
+        ]
+    }
+)
+CHANNEL_OPTIONS = (("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1))
+
 
 def open_channel(args: argparse.Namespace) -> grpc.Channel:
     """Plaintext, or TLS when --tls-ca is given (plus a client certificate for mTLS); a bearer
-    token from --token rides on every call."""
+    token from --token rides on every call. Calls retry per SERVICE_CONFIG."""
     if not args.tls_ca:
         if args.token:
             raise SystemExit("--token needs --tls-ca: tokens are not sent over plaintext")
-        return grpc.insecure_channel(args.target)
+        return grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS)
     creds = grpc.ssl_channel_credentials(
         root_certificates=Path(args.tls_ca).read_bytes(),
         private_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
@@ -28,7 +52,7 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
         creds = grpc.composite_channel_credentials(
             creds, grpc.access_token_call_credentials(args.token)
         )
-    return grpc.secure_channel(args.target, creds)
+    return grpc.secure_channel(args.target, creds, options=CHANNEL_OPTIONS)
 
 
 def generate(args: argparse.Namespace) -> int:

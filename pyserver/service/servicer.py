@@ -275,7 +275,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 "the server is starting or draining; retry on another replica",
             )
         request_id = convert.request_id_of(request, metadata.get("x-request-id"))
-        await context.send_initial_metadata((("x-request-id", request_id),))
         priority = convert.priority_of(request, self._limits)
         adapters = self._worker.adapters
         if request.adapter and request.adapter not in adapters:
@@ -322,6 +321,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     self._worker.cancel(queued.handle)
                 raise
             items.append(item)
+        # Headers only once the call is queued: a gRPC client's retry policy may retry a call
+        # refused before it received headers (UNAVAILABLE while draining, RESOURCE_EXHAUSTED
+        # when the queue is full), never one that got them.
+        await context.send_initial_metadata((("x-request-id", request_id),))
         return items
 
     async def _check_with_engine(self, sampling: Sampling) -> None:
@@ -352,6 +355,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             context.set_trailing_metadata(
                 (
                     ("retry-after-ms", str(err.retry_after_ms or 1000)),
+                    # The same hint in gRPC's own name: a client's retryPolicy waits that long.
+                    ("grpc-retry-pushback-ms", str(err.retry_after_ms or 1000)),
                     (
                         "load",
                         json.dumps(

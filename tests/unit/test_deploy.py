@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +30,11 @@ def test_compose_config_lists_the_stack() -> None:
         "prometheus",
         "grafana",
     } <= services
+    balancer = run(
+        "docker-compose", "-f", "docker-compose.yml", "--profile", "balancer", "config",
+        "--services",
+    ).split()  # fmt: skip
+    assert "balancer" in balancer
     rendered = run("docker-compose", "-f", "docker-compose.yml", "config")
     assert "driver: nvidia" in rendered  # the GPU reservation on the default service
     assert "grpc_health" in rendered  # the server's health check speaks the gRPC protocol
@@ -61,3 +67,34 @@ def test_envoy_and_kubernetes_files_parse() -> None:
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     probe = deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     assert probe["grpc"]["port"] == 50051
+
+
+def test_kubernetes_manifests_pass_the_kubernetes_schema(tmp_path: Path) -> None:
+    """kubernetes-validate holds the published schemas (offline), strict: an unknown field
+    fails, as the API server would reject it."""
+    manifest = ROOT / "deploy/k8s/streambatch.yaml"
+    out = run(str(Path(sys.executable).parent / "kubernetes-validate"), "--strict",
+              "-k", "1.34.0", str(manifest))  # fmt: skip
+    assert "passed for resource deployment/streambatch" in out
+    assert "passed for resource service/streambatch" in out
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(manifest.read_text().replace("replicas:", "replicaCount:", 1))
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "-k", "1.34.0",
+         str(broken)], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0, done.stdout
+
+
+def test_haproxy_config_passes_haproxy_check(tmp_path: Path) -> None:
+    config = (ROOT / "deploy/haproxy/haproxy.cfg").read_text()
+    config = (
+        config.replace("@LISTEN@", "127.0.0.1:8080").replace("@STATS@", "127.0.0.1:8404")
+        .replace("@CHECK@", str(ROOT / "deploy/haproxy/grpc-health-check.sh"))
+        .replace("@PATH@", "/usr/bin:/bin")
+        .replace("@SERVERS@", "  server r0 127.0.0.1:50051\n  server r1 127.0.0.1:50052")
+    )  # fmt: skip
+    (tmp_path / "haproxy.cfg").write_text(config)
+    assert "Configuration file is valid" in run(
+        "haproxy", "-c", "-f", str(tmp_path / "haproxy.cfg")
+    )
