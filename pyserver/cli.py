@@ -40,7 +40,8 @@ class UsageError(Exception):
 
 def rank_cpu_lists(ranks: int) -> str:
     """The usable cores split into `ranks` equal groups in VLLM_CPU_OMP_THREADS_BIND's per-rank
-    syntax ("0|1", "0-1|2-3"); UsageError when there are fewer cores than ranks."""
+    syntax ("0|1", "0,1|2,3"; cores left over from an uneven split stay unused); UsageError
+    when there are fewer cores than ranks."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < ranks:
         raise UsageError(
@@ -334,9 +335,17 @@ def _prepare_engine_env(args: argparse.Namespace) -> None:
             "use --tensor-parallel-size on the CPU"
         )
     if ranks > 1 and not has_cuda_device():
-        # vLLM runs each rank as a process and binds each to one group of cores ("0|1"); with
-        # one list for all ranks they would share cores. The usable cores split evenly.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rank_cpu_lists(ranks))
+        # vLLM runs each rank as a process bound to its own group of cores ("0|1"), and
+        # asserts (a traceback) when the groups do not match the ranks. The usable cores split
+        # evenly unless the operator gave a binding, which must then have one group per rank.
+        given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        if given is None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rank_cpu_lists(ranks)
+        elif given not in ("auto", "all", "nobind") and given.count("|") + 1 != ranks:
+            raise UsageError(
+                f"VLLM_CPU_OMP_THREADS_BIND={given!r} has {given.count('|') + 1} core groups "
+                f"for {ranks} parallel ranks: give one per rank, separated by '|'"
+            )
     elif os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and not has_cuda_device():
         # A separate engine core on the CPU: vLLM's automatic binding keeps a core back for the
         # serving process, which measured 0.68x of in-process throughput on 2 cores; vLLM's

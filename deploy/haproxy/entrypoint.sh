@@ -17,5 +17,7 @@ fi
 sed -e "s|@LISTEN@|0.0.0.0:${LISTEN_PORT:-8080}|" -e "s|@STATS@|0.0.0.0:${STATS_PORT:-8404}|" \
     -e "s|@CHECK@|/etc/haproxy/grpc-health-check.sh|" -e "s|@PATH@|/usr/local/bin:/usr/bin:/bin|" \
     -e "s|@SERVERS@|${servers}|" /etc/haproxy/haproxy.cfg.in > /tmp/haproxy.cfg
-printf 'resolvers docker\n  nameserver dns 127.0.0.11:53\n  hold valid 5s\n' >> /tmp/haproxy.cfg
+if [ -z "${REPLICAS:-}" ]; then
+  printf 'resolvers docker\n  nameserver dns 127.0.0.11:53\n  hold valid 5s\n' >> /tmp/haproxy.cfg
+fi
 exec haproxy -W -db -f /tmp/haproxy.cfg

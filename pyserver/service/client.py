@@ -19,6 +19,8 @@ from streambatch.v1 import generation_pb2_grpc as pb_grpc
 # retried (gRPC commits it at the first response headers).
 SERVICE_CONFIG = json.dumps(
     {
+        # Under sustained refusals retries stop once they are more than a tenth of calls.
+        "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
         "methodConfig": [
             {
                 "name": [{"service": "streambatch.v1.Generation"}],
@@ -30,7 +32,7 @@ SERVICE_CONFIG = json.dumps(
                     "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
                 },
             }
-        ]
+        ],
     }
 )
 CHANNEL_OPTIONS = (("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1))

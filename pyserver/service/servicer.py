@@ -111,6 +111,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 item.span = span
             self.in_flight += 1
             self.idle.clear()
+            # Headers only once the call is queued and counted: a gRPC client's retry policy
+            # may retry a call refused before it received headers (UNAVAILABLE while draining,
+            # RESOURCE_EXHAUSTED when the queue is full), never one that got them. Sent here,
+            # after the count, so a drain waits for it and a client gone meanwhile is cancelled
+            # below like any other.
+            await context.send_initial_metadata((("x-request-id", items[0].request_id),))
             async with contextlib.aclosing(_merged(items)) as merged:
                 async for index, delta in merged:
                     if delta.final:
@@ -321,10 +327,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     self._worker.cancel(queued.handle)
                 raise
             items.append(item)
-        # Headers only once the call is queued: a gRPC client's retry policy may retry a call
-        # refused before it received headers (UNAVAILABLE while draining, RESOURCE_EXHAUSTED
-        # when the queue is full), never one that got them.
-        await context.send_initial_metadata((("x-request-id", request_id),))
         return items
 
     async def _check_with_engine(self, sampling: Sampling) -> None:

@@ -158,6 +158,9 @@ def test_tensor_parallel_ranks_on_the_cpu_get_a_core_group_each(
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     _prepare_engine_env(_serve("--tensor-parallel-size", "2"))
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"  # the operator's binding stays
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # one group for two ranks
+    with pytest.raises(UsageError, match="1 core groups for 2 parallel ranks"):
+        _prepare_engine_env(_serve("--tensor-parallel-size", "2"))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     with pytest.raises(UsageError, match="2 parallel ranks need at least 2"):
