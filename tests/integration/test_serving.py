@@ -444,11 +444,17 @@ def test_full_queue_gives_resource_exhausted_with_retry_hint(engine_server) -> N
         ]
         assert wait_until(lambda: engine_server.worker.queue.size() >= 24, 10)
         r = run_stream(s, request("one too many", max_tokens=4))
+        # Refused before any header: what a gRPC retry policy may retry (docs/deploy.md).
+        refused = s.Generate(request("and another", max_tokens=4), timeout=30)
+        with pytest.raises(grpc.RpcError):
+            next(refused)
         results = [f.result(120) for f in queued + running]
     assert r.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "queue is full" in r.details
     assert int(r.trailers["retry-after-ms"]) > 0
+    assert r.trailers["grpc-retry-pushback-ms"] == r.trailers["retry-after-ms"]
     assert "running" in r.trailers["load"]
+    assert "x-request-id" not in dict(refused.initial_metadata() or ())
     assert all(x.code == grpc.StatusCode.OK for x in results)
 
 
