@@ -116,6 +116,15 @@ def health_status(channel: grpc.Channel) -> int | None:
         return None
 
 
+# A channel that polls a starting server: gRPC's reconnect backoff after a refused connection
+# grows past a second, long enough to miss an engine that loads in under one.
+POLLING = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 200),
+)
+
+
 def wait_serving(
     channel: grpc.Channel, proc: subprocess.Popen[bytes], log: Path, limit_s: float = 300
 ) -> bool:

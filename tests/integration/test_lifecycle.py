@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from integration.helpers import (
+    POLLING,
     free_port,
     health_status,
     request,
@@ -32,7 +33,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
     # vLLM's own spellings: a bare boolean, and an engine flag streambatch does not define.
     proc = spawn_server(port, log, "--enforce-eager", "--long-prefill-token-threshold", "512")
     try:
-        channel = grpc.insecure_channel(target)
+        channel = grpc.insecure_channel(target, options=POLLING)
         seen_not_serving = wait_serving(channel, proc, log)
         assert seen_not_serving, "health should be NOT_SERVING while the engine loads"
 
