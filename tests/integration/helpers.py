@@ -99,6 +99,16 @@ def spawn_server(
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 
+def refusal_line(log: Path, *flags: str, limit_s: float = 300) -> str:
+    """`streambatch serve` with `flags`, which must exit 2 at start: its last output line."""
+    proc = spawn_server(free_port(), log, *flags)
+    try:
+        assert proc.wait(limit_s) == 2, log.read_text(errors="replace")[-2000:]
+    finally:
+        stop(proc)
+    return log.read_text(errors="replace").strip().splitlines()[-1]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

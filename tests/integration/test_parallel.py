@@ -11,7 +11,7 @@ import grpc
 import pytest
 from streambatch.v1 import generation_pb2 as pb
 
-from integration.helpers import free_port, spawn_server, stop, stub, wait_serving
+from integration.helpers import free_port, refusal_line, spawn_server, stop, stub, wait_serving
 
 pytestmark = pytest.mark.engine
 
@@ -94,11 +94,5 @@ def test_tensor_parallel_2_matches_1(live_server, tmp_path) -> None:  # type: ig
 
 @pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="refused on the CPU only")
 def test_pipeline_parallel_on_the_cpu_is_refused_with_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    log = tmp_path / "pp.log"
-    proc = spawn_server(free_port(), log, "--pipeline-parallel-size", "2")
-    try:
-        assert proc.wait(120) == 2, log.read_text(errors="replace")[-2000:]
-    finally:
-        stop(proc)
-    last = log.read_text(errors="replace").strip().splitlines()[-1]
+    last = refusal_line(tmp_path / "pp.log", "--pipeline-parallel-size", "2", limit_s=120)
     assert last.startswith("streambatch serve: error: --pipeline-parallel-size"), last
