@@ -43,7 +43,11 @@ test: lint proto-check test-cpp test-py test-vllm-previous
 proto-check: install
 	$(VENV)/bin/buf lint
 	@if git diff --quiet HEAD -- proto; then base="$$(git log -n1 --format=%H -- proto)~1"; \
-	 else base=HEAD; fi; echo "buf breaking against $$base"; \
+	 else base=HEAD; fi; \
+	 if ! git rev-parse -q --verify "$$base^{commit}" >/dev/null; then \
+	   echo "proto-check: $$base is not in this (shallow) clone; buf breaking against HEAD only" >&2; \
+	   base=HEAD; fi; \
+	 echo "buf breaking against $$base"; \
 	 $(VENV)/bin/buf breaking --against ".git#ref=$$base,subdir=proto"
 
 # The C++ core under ctest: plain, then with ASan+UBSan, then with TSan.
