@@ -20,7 +20,7 @@ vLLM's (lower is more urgent).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -81,3 +81,33 @@ def plan_urgent_step(
         need += tokens_to_compute(r)
         urgent = True
     return StepPlan(held, min(limit, need) if urgent else limit)
+
+
+def hold_cut_prefills(
+    running: Sequence[R],
+    waiting: Sequence[R],
+    *,
+    budget: int,
+    limit: int,
+    whole: Callable[[R], bool],
+) -> tuple[list[R], int]:
+    """The waiting requests that sit out the next step so that none for which `whole` holds is
+    cut into prompt chunks, and the step's token budget: (held, budget).
+
+    Such a request is scheduled only when its whole remaining prompt fits in what the step has
+    left after the running requests and the waiting ones ahead of it (each counted in full: the
+    prefix cache only lowers what they take). When it does not fit, it and every request behind
+    it sit out, so that nobody overtakes it and it is not starved by later prompts; when it is
+    first in line and only the step's budget stops it, the budget grows to fit it (up to
+    `limit`, the engine's per-step maximum). `waiting` is in the order vLLM takes it."""
+    running_need = sum(tokens_to_compute(r) for r in running)
+    left = budget - running_need
+    for i, r in enumerate(waiting):
+        need = tokens_to_compute(r)
+        if whole(r) and need > left:
+            if i == 0 and running_need + need <= limit:
+                budget, left = running_need + need, need
+            else:
+                return list(waiting[i:]), budget
+        left -= need
+    return [], budget

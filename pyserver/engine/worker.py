@@ -78,6 +78,7 @@ class EngineWorker:
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.max_num_seqs
         self.vocab_size = engine.vocab_size
+        self.max_seeded_sampling_tokens = engine.max_seeded_sampling_tokens
         self.max_logprobs = engine.max_logprobs
         self.adapters = engine.adapter_names
         self.check_sampling = engine.check  # vLLM's verdict on settings, before any queueing

@@ -44,6 +44,13 @@ class Limits:
     queue_timeout_ms_by_level: tuple[int, ...] = ()
     max_logprobs: int = 20  # vLLM's --max-logprobs
     max_n: int = 8
+    # Prompt + max_tokens of a seeded sampling call, where the engine needs its prompt whole
+    # in one step (the CPU, with --max-num-batched-tokens below the context length); 0: any.
+    max_seeded_sampling_tokens: int = 0
+
+
+# vLLM samples greedily below this temperature (its _SAMPLING_EPS): no random generator then.
+_GREEDY_BELOW = 1e-5
 
 
 def invalid(field: str, problem: str) -> RequestError:
@@ -105,11 +112,23 @@ def sampling_of(s: pb.SamplingParams, prompt_tokens: int, limits: Limits) -> Sam
         raise invalid(
             "sampling.n", "must be 1 with temperature 0: greedy completions are identical"
         )
+    temperature = (
+        _finite("sampling.temperature", s.temperature, 0.0, 2.0)
+        if s.HasField("temperature")
+        else 1.0
+    )
+    whole = limits.max_seeded_sampling_tokens
+    seeded = s.HasField("seed") and temperature >= _GREEDY_BELOW
+    if whole and seeded and prompt_tokens + max_tokens > whole:
+        raise invalid(
+            "sampling.seed",
+            f"a seeded sampling call's prompt and max_tokens ({prompt_tokens} + {max_tokens}) "
+            f"must fit in one engine step ({whole} tokens) on this server; shorten them or "
+            "leave the seed unset",
+        )
     return Sampling(
         max_tokens=max_tokens,
-        temperature=_finite("sampling.temperature", s.temperature, 0.0, 2.0)
-        if s.HasField("temperature")
-        else 1.0,
+        temperature=temperature,
         top_p=_finite("sampling.top_p", s.top_p, 0.0, 1.0, lo_open=True)
         if s.HasField("top_p")
         else 1.0,

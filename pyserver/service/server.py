@@ -244,6 +244,7 @@ class StreambatchServer:
             max_logprobs=worker.max_logprobs,
             # Each completion is a request of its own in the engine: n may not exceed its slots.
             max_n=min(8, worker.max_num_seqs),
+            max_seeded_sampling_tokens=worker.max_seeded_sampling_tokens,
         )
 
     def _load_snapshot(self) -> LoadSnapshot | None:

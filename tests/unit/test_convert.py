@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -104,3 +105,20 @@ def test_merged_deltas_keep_every_tokens_logprob_and_the_matched_stop() -> None:
     assert [lp.token_id for lp in msg.logprobs] == list(msg.token_ids) == [1, 2]
     assert msg.index == 1 and msg.WhichOneof("matched_stop") == "stop_token_id"
     assert msg.stop_token_id == 0  # a token id of 0 is still a match, not "unset"
+
+
+def test_a_seeded_sampling_call_too_long_for_one_step_is_refused_where_it_must_fit() -> None:
+    # On the CPU with --max-num-batched-tokens 512: a seeded sampling prompt is prefilled whole.
+    whole = dataclasses.replace(LIMITS, max_seeded_sampling_tokens=512)
+    seeded = pb.SamplingParams(max_tokens=64, temperature=0.8, seed=7)
+    assert sampling_of(seeded, prompt_tokens=448, limits=whole).seed == 7
+    with pytest.raises(RequestError) as err:
+        sampling_of(seeded, prompt_tokens=449, limits=whole)
+    assert err.value.kind is ErrorKind.INVALID
+    assert err.value.message.startswith("sampling.seed:") and "512" in err.value.message
+    # Greedy calls sample nothing, unseeded ones have no generator, and without the limit any
+    # length goes.
+    greedy = pb.SamplingParams(max_tokens=64, temperature=0.0, seed=7)
+    assert sampling_of(greedy, prompt_tokens=1000, limits=whole).seed == 7
+    assert sampling_of(pb.SamplingParams(max_tokens=64), prompt_tokens=1000, limits=whole)
+    assert sampling_of(seeded, prompt_tokens=1000, limits=LIMITS).seed == 7

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyserver.engine.prefill_hold import plan_urgent_step
+from pyserver.engine.prefill_hold import hold_cut_prefills, plan_urgent_step
 
 TOP = -1
 LIMIT = 512  # the engine's full per-step budget
@@ -89,3 +89,57 @@ def test_a_top_request_resumed_after_an_engine_preemption_counts_as_prefilling()
     plan = plan_urgent_step([low_prefill, resumed], [], top=TOP, limit=LIMIT)
     assert plan is not None and plan.held == [low_prefill]
     assert plan.token_budget == 130
+
+
+def seeded(r: Req) -> bool:
+    return r.name.startswith("seeded")
+
+
+def test_a_seeded_prompt_that_fits_whole_is_left_alone() -> None:
+    decodes = [Req("d1", 0, 120, 100, 20), Req("d2", 0, 60, 50, 10)]
+    waiting = [Req("new", 0, 0, 200), Req("seeded", 0, 0, 300)]
+    assert hold_cut_prefills(decodes, waiting, budget=LIMIT, limit=LIMIT, whole=seeded) == (
+        [], LIMIT,
+    )  # fmt: skip
+
+
+def test_a_seeded_prompt_that_would_be_cut_waits_with_everything_behind_it() -> None:
+    # 2 decodes + 300 leave 210: vLLM would cut the seeded prompt to 210 tokens. It and the
+    # prompt behind it sit out (nobody overtakes it); the one ahead is not held.
+    decodes = [Req("d1", 0, 120, 100, 20), Req("d2", 0, 60, 50, 10)]
+    ahead, cut, behind = Req("new", 0, 0, 300), Req("seeded", 0, 0, 250), Req("later", 0, 0, 9)
+    held, budget = hold_cut_prefills(
+        decodes, [ahead, cut, behind], budget=LIMIT, limit=LIMIT, whole=seeded
+    )
+    assert held == [cut, behind] and budget == LIMIT
+
+
+def test_unseeded_prompts_are_cut_as_vllm_cuts_them() -> None:
+    waiting = [Req("new", 0, 0, 300), Req("long", 0, 0, 900)]
+    assert hold_cut_prefills([], waiting, budget=LIMIT, limit=LIMIT, whole=seeded) == ([], LIMIT)
+
+
+def test_a_running_prefill_chunk_counts_in_full_before_a_seeded_prompt() -> None:
+    running_prefill = Req("low-prefill", 0, 32, 400)  # takes up to 368 tokens of the step
+    held, _ = hold_cut_prefills(
+        [running_prefill], [Req("seeded", 0, 0, 200)], budget=LIMIT, limit=LIMIT, whole=seeded
+    )
+    assert [r.name for r in held] == ["seeded"]
+
+
+def test_a_seeded_prompt_first_in_line_grows_a_short_step_to_fit_it() -> None:
+    # A latency controller's 96-token steps would cut a 300-token prompt forever.
+    decodes = [Req("d1", 0, 120, 100, 20)]
+    held, budget = hold_cut_prefills(
+        decodes, [Req("seeded", 0, 0, 300)], budget=96, limit=LIMIT, whole=seeded
+    )
+    assert held == [] and budget == 1 + 300
+
+
+def test_a_seeded_prompt_beyond_what_a_step_can_hold_now_waits_for_the_decodes() -> None:
+    decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(20)]
+    seeded_prompt = Req("seeded", 0, 0, LIMIT - 10)
+    held, budget = hold_cut_prefills(
+        decodes, [seeded_prompt], budget=LIMIT, limit=LIMIT, whole=seeded
+    )
+    assert held == [seeded_prompt] and budget == LIMIT

@@ -4,9 +4,11 @@ is replaced here by a recorder (a test seam only: the server never patches vLLM)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from vllm import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from pyserver.engine.adapter.scheduler import PriorityPrefillScheduler
@@ -31,6 +33,7 @@ def scheduler(running: list[Req], waiting: list[Req]) -> Any:
     s.running, s.waiting = running, waiting
     s.max_num_scheduled_tokens = 128
     s._top_priority, s._normal_budget, s._urgent_limit, s._cap_urgent_steps = -1, 128, 512, False
+    s._whole_seeded_prompts = False
     return s
 
 
@@ -65,3 +68,58 @@ def test_requests_holding_kv_blocks_go_first_so_the_budget_is_left_alone(seen: l
     s.kv_holding_waiting = [Req("kv-loading", 0, 0, 90)]
     s.schedule()
     assert seen == [(["d"], 128)]
+
+
+@dataclass
+class SeededReq(Req):
+    sampling_params: SamplingParams | None = None
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+class Waiting(list[Req]):
+    """vLLM's priority queue's interface, in order of insertion (the test's requests arrive in
+    priority order)."""
+
+    def remove_requests(self, requests: list[Req]) -> None:
+        gone = {id(r) for r in requests}
+        self[:] = [r for r in self if id(r) not in gone]
+
+    def add_request(self, request: Req) -> None:
+        self.append(request)
+
+
+def test_a_seeded_prompt_that_would_be_cut_leaves_the_queue_for_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    queued: list[list[str]] = []
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> str:
+        queued.append([r.name for r in self.waiting])
+        return "scheduler-output"
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    ahead = SeededReq("new", 0, 0, 100, sampling_params=SamplingParams(temperature=1.0))
+    cut = SeededReq("seeded", 0, 0, 60, sampling_params=sampled)
+    behind = SeededReq("later", 0, 0, 5, sampling_params=SamplingParams(temperature=0.0))
+    s = scheduler([Req("d", 0, 120, 100, 20)], [])
+    s.waiting = Waiting([ahead, cut, behind])
+    s._whole_seeded_prompts = True
+    assert s.schedule() == "scheduler-output"
+    assert queued == [["new"]]  # 1 + 100 of 128 leave 27: the 60-token prompt would be cut
+    assert [r.name for r in s.waiting] == ["new", "seeded", "later"]
+    assert s.max_num_scheduled_tokens == 128
+    # Greedy and unseeded sampling have no generator to rewind: nothing held for them.
+    s.waiting = Waiting(
+        [
+            ahead,
+            behind,
+            SeededReq(
+                "greedy-seed", 0, 0, 60, sampling_params=SamplingParams(seed=3, temperature=0.0)
+            ),
+        ]
+    )
+    s.schedule()
+    assert queued[-1] == ["new", "later", "greedy-seed"]

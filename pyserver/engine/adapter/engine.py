@@ -78,6 +78,12 @@ class Engine:
         self.step_token_budget: int = int(
             config.scheduler_config.max_num_scheduled_tokens or self.max_step_tokens
         )
+        # On the CPU a seeded sampling prompt is prefilled whole, never in chunks (the
+        # scheduler's rule, pyserver.engine.adapter.scheduler): one longer than a step can hold,
+        # or than it could after a recompute (prompt and output), would wait forever.
+        on_cpu = config.device_config.device_type == "cpu"
+        short_steps = self.max_step_tokens < self.max_model_len
+        self.max_seeded_sampling_tokens: int = self.max_step_tokens if on_cpu and short_steps else 0
 
     def load_adapters(self) -> None:
         """Load every LoRA adapter into the engine now (vLLM would on first use)."""

@@ -1,12 +1,17 @@
 """streambatch's engine-side policy as a vLLM Scheduler subclass, passed through vLLM's
 `scheduler_cls` so it runs wherever vLLM's engine core runs (in this process or its own).
 
-The rule (pyserver.engine.prefill_hold): while a top-priority prompt prefills, lower-priority
-prefills sit out the step and the step's token budget ends with the urgent prompts. The
-subclass changes only its own state, and only for the span of its own schedule(): the held
-requests leave its running list and come back behind every other running request (vLLM hands
-its token budget to running requests in list order, so a prefill chunk ahead of decodes could
-take it all and make those streams skip a step), and the budget goes back to the normal one.
+The rules (pyserver.engine.prefill_hold): while a top-priority prompt prefills, lower-priority
+prefills sit out the step and the step's token budget ends with the urgent prompts. On the CPU,
+a seeded sampling prompt is never cut into chunks: vLLM's CPU backend cannot rewind a seeded
+request's random generator after sampling the token it discards at the end of every chunk but
+the last, and its engine fails there ("CPU Generator does not use offset"); such a prompt waits
+until it fits whole, with the requests behind it. The subclass changes only its own state, and
+only for the span of its own schedule(): the held running requests leave its running list and
+come back behind every other running request (vLLM hands its token budget to running requests
+in list order, so a prefill chunk ahead of decodes could take it all and make those streams
+skip a step), held waiting requests leave its waiting queue and go back in their place (the
+queue orders by priority, then arrival), and the budget goes back to the normal one.
 
 Configured through vLLM's `additional_config` (key "streambatch": `top_priority`, vLLM's
 priority of streambatch's top level); imported by vLLM by qualified name, in the engine core's
@@ -19,10 +24,11 @@ import threading
 import weakref
 from typing import Any
 
+from vllm.sampling_params import SamplingType
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pyserver.engine.prefill_hold import plan_urgent_step
+from pyserver.engine.prefill_hold import hold_cut_prefills, plan_urgent_step
 
 CONFIG_KEY = "streambatch"
 QUALNAME = "pyserver.engine.adapter.scheduler.PriorityPrefillScheduler"
@@ -44,6 +50,7 @@ class _PriorityPrefill(Scheduler):
         self._normal_budget = int(self.max_num_scheduled_tokens)
         self._urgent_limit = int(self.scheduler_config.max_num_batched_tokens)
         self._cap_urgent_steps = False
+        self._whole_seeded_prompts = self.vllm_config.device_config.device_type == "cpu"
         with _local_lock:
             _local[id(self.vllm_config)] = weakref.ref(self)
 
@@ -58,23 +65,45 @@ class _PriorityPrefill(Scheduler):
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         # Requests that hold KV blocks (KV connectors) go before the waiting queue: the waiting
-        # order is then not the one the rule sizes the budget for.
+        # order is then not the one the rules size the budget for.
         holding = getattr(self, "kv_holding_waiting", None)
-        waiting = () if holding else self.waiting
+        waiting = [] if holding else list(self.waiting)
         limit = self._normal_budget if self._cap_urgent_steps else self._urgent_limit
         plan = plan_urgent_step(self.running, waiting, top=self._top_priority, limit=limit)
-        if plan is None:
+        held_running = plan.held if plan is not None else []
+        budget = plan.token_budget if plan is not None else self._normal_budget
+        held_waiting: list[Any] = []
+        if self._whole_seeded_prompts and waiting:
+            held = {id(r) for r in held_running}
+            held_waiting, budget = hold_cut_prefills(
+                [r for r in self.running if id(r) not in held],
+                waiting,
+                budget=budget,
+                limit=self._urgent_limit,
+                whole=_seeded_sampling,
+            )
+        if plan is None and not held_waiting and budget == self._normal_budget:
             return super().schedule(*args, **kwargs)
-        if plan.held:
-            held = {id(r) for r in plan.held}
+        if held_running:
+            held = {id(r) for r in held_running}
             self.running = [r for r in self.running if id(r) not in held]
-        self.max_num_scheduled_tokens = plan.token_budget
+        if held_waiting:
+            self.waiting.remove_requests(held_waiting)
+        self.max_num_scheduled_tokens = budget
         try:
             return super().schedule(*args, **kwargs)
         finally:
-            if plan.held:
-                self.running = self.running + plan.held
+            if held_running:
+                self.running = self.running + held_running
+            for r in held_waiting:
+                self.waiting.add_request(r)
             self.max_num_scheduled_tokens = self._normal_budget
+
+
+def _seeded_sampling(request: Any) -> bool:
+    """A request with its own seeded random generator (vLLM makes one for seeded sampling)."""
+    params = request.sampling_params
+    return params is not None and params.sampling_type == SamplingType.RANDOM_SEED
 
 
 class PriorityPrefillScheduler(_PriorityPrefill):
