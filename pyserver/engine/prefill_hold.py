@@ -83,6 +83,13 @@ def plan_urgent_step(
     return StepPlan(held, min(limit, need) if urgent else limit)
 
 
+@dataclass(frozen=True, slots=True)
+class WholePrefillPlan(Generic[R]):
+    held_waiting: list[R]  # sit out the step, with their place in the queue kept
+    hold_running: bool  # every running request sits out the step (a seeded prompt's own step)
+    token_budget: int
+
+
 def hold_cut_prefills(
     running: Sequence[R],
     waiting: Sequence[R],
@@ -90,24 +97,36 @@ def hold_cut_prefills(
     budget: int,
     limit: int,
     whole: Callable[[R], bool],
-) -> tuple[list[R], int]:
-    """The waiting requests that sit out the next step so that none for which `whole` holds is
-    cut into prompt chunks, and the step's token budget: (held, budget).
+    may_hold_running: bool = True,
+) -> WholePrefillPlan[R]:
+    """The plan for the next step under which no request for which `whole` holds is cut into
+    prompt chunks.
 
     Such a request is scheduled only when its whole remaining prompt fits in what the step has
     left after the running requests and the waiting ones ahead of it (each counted in full: the
-    prefix cache only lowers what they take). When it does not fit, it and every request behind
-    it sit out, so that nobody overtakes it and it is not starved by later prompts; when it is
-    first in line and only the step's budget stops it, the budget grows to fit it (up to
-    `limit`, the engine's per-step maximum). `waiting` is in the order vLLM takes it."""
+    prefix cache only lowers what they take). When one ahead of it leaves too little, it and
+    every request behind it sit out, so that nobody overtakes it. When it is first in line, it
+    goes now: the step's budget grows to fit it (up to `limit`, the most a step may compute),
+    and if even that is too little beside the running requests, they sit out this one step
+    (a one-step gap for their streams instead of a wait of many for it) when `may_hold_running`
+    (the caller's guard: never two such steps in a row, so the running requests always move
+    on), else it waits with everything behind it. A request longer than
+    `limit` cannot be helped and is left to vLLM (the server refuses such calls at submit).
+    `waiting` is in the order vLLM takes it."""
     running_need = sum(tokens_to_compute(r) for r in running)
     left = budget - running_need
+    hold_running = False
     for i, r in enumerate(waiting):
         need = tokens_to_compute(r)
-        if whole(r) and need > left:
-            if i == 0 and running_need + need <= limit:
-                budget, left = running_need + need, need
+        if whole(r) and left < need <= limit:
+            if i > 0:
+                return WholePrefillPlan(list(waiting[i:]), hold_running, budget)
+            if running_need + need <= limit:
+                budget = max(budget, running_need + need)
+                left = budget - running_need
+            elif may_hold_running:
+                hold_running, budget, left = True, need, need
             else:
-                return list(waiting[i:]), budget
+                return WholePrefillPlan(list(waiting), False, budget)
         left -= need
-    return [], budget
+    return WholePrefillPlan([], hold_running, budget)

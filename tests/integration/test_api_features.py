@@ -213,14 +213,14 @@ def test_seeded_sampling_prompts_that_share_a_step_are_all_served(live_server) -
     """vLLM's CPU backend cannot rewind a seeded request's random generator after sampling a
     token it then discards, which it does for every chunk of a prompt cut across steps: the
     engine failed on the first seeded prompt that did not fit whole in a step (found by the
-    fuzz test in CI). Six 700-token seeded prompts sent at once do not fit one 2,048-token
+    fuzz test in CI). Eight 700-token seeded prompts sent at once do not fit one 2,048-token
     step; each must be served, and give the tokens it gives alone."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
     rng = random.Random(5)
     reqs = []
-    for i in range(6):
+    for i in range(8):
         req = pb.GenerateRequest()
         req.token_ids.ids.extend(rng.randrange(100, 40_000) for _ in range(700))
         req.sampling.max_tokens = 3
@@ -231,7 +231,7 @@ def test_seeded_sampling_prompts_that_share_a_step_are_all_served(live_server) -
     with ThreadPoolExecutor(len(reqs)) as pool:
         together = list(pool.map(lambda r: s.Complete(r, timeout=120), reqs))
     assert all(len(r.tokens) == 3 for r in together)
-    assert s.Complete(reqs[5], timeout=60).tokens[:1] == together[5].tokens[:1]
+    assert s.Complete(reqs[7], timeout=60).tokens[:1] == together[7].tokens[:1]
 
 
 def test_cancelling_an_n_call_aborts_every_completion(live_server) -> None:  # type: ignore[no-untyped-def]
@@ -239,7 +239,9 @@ def test_cancelling_an_n_call_aborts_every_completion(live_server) -> None:  # t
     # Far more tokens than the engine makes in the 10 s below: idle then means aborted.
     req = request("Count to a thousand.", max_tokens=1500, ignore_eos=True, temperature=1.0)
     req.sampling.n = 3
-    call = s.Generate(req, timeout=120)
+    # A deadline the finish-time prediction cannot refuse whatever the earlier tests taught it
+    # about step times (this server refuses calls predicted to miss theirs); cancelled below.
+    call = s.Generate(req, timeout=1800)
     seen = set()
     for msg in call:
         seen.add(msg.index)

@@ -122,3 +122,6 @@ def test_a_seeded_sampling_call_too_long_for_one_step_is_refused_where_it_must_f
     assert sampling_of(greedy, prompt_tokens=1000, limits=whole).seed == 7
     assert sampling_of(pb.SamplingParams(max_tokens=64), prompt_tokens=1000, limits=whole)
     assert sampling_of(seeded, prompt_tokens=1000, limits=LIMITS).seed == 7
+    # Unset, the temperature is 1.0: a seed alone samples with its own generator.
+    with pytest.raises(RequestError):
+        sampling_of(pb.SamplingParams(max_tokens=64, seed=7), prompt_tokens=449, limits=whole)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyserver.engine.prefill_hold import hold_cut_prefills, plan_urgent_step
+from pyserver.engine.prefill_hold import WholePrefillPlan, hold_cut_prefills, plan_urgent_step
 
 TOP = -1
 LIMIT = 512  # the engine's full per-step budget
@@ -98,9 +98,8 @@ def seeded(r: Req) -> bool:
 def test_a_seeded_prompt_that_fits_whole_is_left_alone() -> None:
     decodes = [Req("d1", 0, 120, 100, 20), Req("d2", 0, 60, 50, 10)]
     waiting = [Req("new", 0, 0, 200), Req("seeded", 0, 0, 300)]
-    assert hold_cut_prefills(decodes, waiting, budget=LIMIT, limit=LIMIT, whole=seeded) == (
-        [], LIMIT,
-    )  # fmt: skip
+    plan = hold_cut_prefills(decodes, waiting, budget=LIMIT, limit=LIMIT, whole=seeded)
+    assert plan == WholePrefillPlan([], False, LIMIT)
 
 
 def test_a_seeded_prompt_that_would_be_cut_waits_with_everything_behind_it() -> None:
@@ -108,38 +107,58 @@ def test_a_seeded_prompt_that_would_be_cut_waits_with_everything_behind_it() -> 
     # prompt behind it sit out (nobody overtakes it); the one ahead is not held.
     decodes = [Req("d1", 0, 120, 100, 20), Req("d2", 0, 60, 50, 10)]
     ahead, cut, behind = Req("new", 0, 0, 300), Req("seeded", 0, 0, 250), Req("later", 0, 0, 9)
-    held, budget = hold_cut_prefills(
-        decodes, [ahead, cut, behind], budget=LIMIT, limit=LIMIT, whole=seeded
-    )
-    assert held == [cut, behind] and budget == LIMIT
+    plan = hold_cut_prefills(decodes, [ahead, cut, behind], budget=LIMIT, limit=LIMIT, whole=seeded)
+    assert plan == WholePrefillPlan([cut, behind], False, LIMIT)
 
 
 def test_unseeded_prompts_are_cut_as_vllm_cuts_them() -> None:
     waiting = [Req("new", 0, 0, 300), Req("long", 0, 0, 900)]
-    assert hold_cut_prefills([], waiting, budget=LIMIT, limit=LIMIT, whole=seeded) == ([], LIMIT)
+    plan = hold_cut_prefills([], waiting, budget=LIMIT, limit=LIMIT, whole=seeded)
+    assert plan == WholePrefillPlan([], False, LIMIT)
 
 
-def test_a_running_prefill_chunk_counts_in_full_before_a_seeded_prompt() -> None:
+def test_a_seeded_prompt_behind_a_running_prefill_chunk_waits() -> None:
     running_prefill = Req("low-prefill", 0, 32, 400)  # takes up to 368 tokens of the step
-    held, _ = hold_cut_prefills(
-        [running_prefill], [Req("seeded", 0, 0, 200)], budget=LIMIT, limit=LIMIT, whole=seeded
+    cut = Req("seeded", 0, 0, 200)
+    # Not first in line behind an unseeded prompt that takes the rest of the step.
+    plan = hold_cut_prefills(
+        [running_prefill], [Req("new", 0, 0, 100), cut], budget=LIMIT, limit=LIMIT, whole=seeded
     )
-    assert [r.name for r in held] == ["seeded"]
+    assert plan == WholePrefillPlan([cut], False, LIMIT)
 
 
 def test_a_seeded_prompt_first_in_line_grows_a_short_step_to_fit_it() -> None:
     # A latency controller's 96-token steps would cut a 300-token prompt forever.
     decodes = [Req("d1", 0, 120, 100, 20)]
-    held, budget = hold_cut_prefills(
-        decodes, [Req("seeded", 0, 0, 300)], budget=96, limit=LIMIT, whole=seeded
-    )
-    assert held == [] and budget == 1 + 300
+    plan = hold_cut_prefills(
+        decodes, [Req("seeded", 0, 0, 300), Req("later", 0, 0, 50)], budget=96, limit=LIMIT,
+        whole=seeded,
+    )  # fmt: skip
+    assert plan == WholePrefillPlan([], False, 1 + 300)  # "later" waits: nothing left for it
 
 
-def test_a_seeded_prompt_beyond_what_a_step_can_hold_now_waits_for_the_decodes() -> None:
+def test_a_seeded_prompt_first_in_line_gets_a_step_of_its_own_when_the_running_fill_it() -> None:
+    # 20 decodes and a 500-token prompt do not fit a 512-token step: the decodes skip one
+    # step rather than the prompt waiting for most of them to finish.
     decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(20)]
-    seeded_prompt = Req("seeded", 0, 0, LIMIT - 10)
-    held, budget = hold_cut_prefills(
-        decodes, [seeded_prompt], budget=LIMIT, limit=LIMIT, whole=seeded
+    plan = hold_cut_prefills(
+        decodes, [Req("seeded", 0, 0, 500)], budget=LIMIT, limit=LIMIT, whole=seeded
     )
-    assert held == [seeded_prompt] and budget == LIMIT
+    assert plan == WholePrefillPlan([], True, 500)
+
+
+def test_a_seeded_prompt_longer_than_any_step_is_left_to_vllm() -> None:
+    # The server refuses such calls at submit; holding it would stop the queue for good.
+    plan = hold_cut_prefills(
+        [], [Req("seeded", 0, 0, LIMIT + 1)], budget=LIMIT, limit=LIMIT, whole=seeded
+    )
+    assert plan == WholePrefillPlan([], False, LIMIT)
+
+
+def test_without_leave_to_hold_the_running_a_seeded_prompt_waits_first_in_line() -> None:
+    decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(20)]
+    waiting = [Req("seeded", 0, 0, 500), Req("later", 0, 0, 10)]
+    plan = hold_cut_prefills(
+        decodes, waiting, budget=LIMIT, limit=LIMIT, whole=seeded, may_hold_running=False
+    )
+    assert plan == WholePrefillPlan(waiting, False, LIMIT)

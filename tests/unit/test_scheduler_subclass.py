@@ -33,7 +33,8 @@ def scheduler(running: list[Req], waiting: list[Req]) -> Any:
     s.running, s.waiting = running, waiting
     s.max_num_scheduled_tokens = 128
     s._top_priority, s._normal_budget, s._urgent_limit, s._cap_urgent_steps = -1, 128, 512, False
-    s._whole_seeded_prompts = False
+    s._whole_seeded_prompts, s._whole_prompt_limit, s._held_running_last = False, 512, False
+    s.max_num_running_reqs = 32
     return s
 
 
@@ -123,3 +124,42 @@ def test_a_seeded_prompt_that_would_be_cut_leaves_the_queue_for_the_step(
     )
     s.schedule()
     assert queued[-1] == ["new", "later", "greedy-seed"]
+
+
+def test_a_seeded_prompt_first_in_line_gets_its_own_step_and_the_decodes_come_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[tuple[list[str], list[str], int]] = []
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> str:
+        seen.append(([r.name for r in self.running], [r.name for r in self.waiting],
+                     self.max_num_scheduled_tokens))  # fmt: skip
+        return "scheduler-output"
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(20)]
+    prompt = SeededReq("seeded", 0, 0, 500, sampling_params=SamplingParams(temperature=1, seed=1))
+    s = scheduler(list(decodes), [])
+    s.waiting = Waiting([prompt])
+    s._whole_seeded_prompts = True
+    s.schedule()
+    assert seen == [([], ["seeded"], 500)]
+    assert [r.name for r in s.running] == [d.name for d in decodes]
+    assert s.max_num_scheduled_tokens == 128
+    # vLLM did not take it in (say its KV blocks ran short): the decodes go on in the next
+    # step, the prompt and the queue behind it wait, and the step after may try again.
+    s.schedule()
+    assert seen[-1] == ([d.name for d in decodes], [], 128)
+    s.schedule()
+    assert seen[-1] == ([], ["seeded"], 500)
+
+
+def test_the_whole_prompt_limit_is_vllms_step_or_its_long_prefill_threshold() -> None:
+    from types import SimpleNamespace
+
+    from pyserver.engine.adapter.scheduler import whole_prompt_limit
+
+    config = SimpleNamespace(max_num_batched_tokens=2048, long_prefill_token_threshold=0)
+    assert whole_prompt_limit(config) == 2048
+    config.long_prefill_token_threshold = 256
+    assert whole_prompt_limit(config) == 256

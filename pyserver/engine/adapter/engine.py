@@ -79,11 +79,13 @@ class Engine:
             config.scheduler_config.max_num_scheduled_tokens or self.max_step_tokens
         )
         # On the CPU a seeded sampling prompt is prefilled whole, never in chunks (the
-        # scheduler's rule, pyserver.engine.adapter.scheduler): one longer than a step can hold,
-        # or than it could after a recompute (prompt and output), would wait forever.
+        # scheduler's rule, pyserver.engine.adapter.scheduler): a call whose prompt and output
+        # (what a recompute after a preemption prefills) could exceed one step is refused.
+        from pyserver.engine.adapter.scheduler import whole_prompt_limit
+
+        whole = whole_prompt_limit(config.scheduler_config)
         on_cpu = config.device_config.device_type == "cpu"
-        short_steps = self.max_step_tokens < self.max_model_len
-        self.max_seeded_sampling_tokens: int = self.max_step_tokens if on_cpu and short_steps else 0
+        self.max_seeded_sampling_tokens: int = whole if on_cpu and whole < self.max_model_len else 0
 
     def load_adapters(self) -> None:
         """Load every LoRA adapter into the engine now (vLLM would on first use)."""

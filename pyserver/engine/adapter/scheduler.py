@@ -51,6 +51,8 @@ class _PriorityPrefill(Scheduler):
         self._urgent_limit = int(self.scheduler_config.max_num_batched_tokens)
         self._cap_urgent_steps = False
         self._whole_seeded_prompts = self.vllm_config.device_config.device_type == "cpu"
+        self._whole_prompt_limit = whole_prompt_limit(self.scheduler_config)
+        self._held_running_last = False
         with _local_lock:
             _local[id(self.vllm_config)] = weakref.ref(self)
 
@@ -75,14 +77,23 @@ class _PriorityPrefill(Scheduler):
         held_waiting: list[Any] = []
         if self._whole_seeded_prompts and waiting:
             held = {id(r) for r in held_running}
-            held_waiting, budget = hold_cut_prefills(
+            whole = hold_cut_prefills(
                 [r for r in self.running if id(r) not in held],
                 waiting,
                 budget=budget,
-                limit=self._urgent_limit,
+                limit=self._whole_prompt_limit,
                 whole=_seeded_sampling,
+                # Never two steps in a row without the running requests (they must move on to
+                # free what the prompt waits for), and never one that would let vLLM take in
+                # more requests than it has slots for.
+                may_hold_running=not self._held_running_last
+                and len(self.running) < self.max_num_running_reqs,
             )
-        if plan is None and not held_waiting and budget == self._normal_budget:
+            held_waiting, budget = whole.held_waiting, whole.token_budget
+            self._held_running_last = whole.hold_running
+            if whole.hold_running:
+                held_running = list(self.running)
+        if not held_running and not held_waiting and budget == self._normal_budget:
             return super().schedule(*args, **kwargs)
         if held_running:
             held = {id(r) for r in held_running}
@@ -120,3 +131,11 @@ def local_instance(vllm_config: Any) -> _PriorityPrefill | None:
         ref = _local.get(id(vllm_config))
     sched = ref() if ref is not None else None
     return sched if sched is not None and sched.vllm_config is vllm_config else None
+
+
+def whole_prompt_limit(scheduler_config: Any) -> int:
+    """The longest prompt vLLM can schedule in one step: its per-step maximum, or its
+    long-prefill threshold when set (vLLM cuts every longer prompt to it)."""
+    limit = int(scheduler_config.max_num_batched_tokens)
+    threshold = int(scheduler_config.long_prefill_token_threshold or 0)
+    return min(limit, threshold) if threshold > 0 else limit
