@@ -107,26 +107,26 @@ def hold_cut_prefills(
     prefix cache only lowers what they take). When one ahead of it leaves too little, it and
     every request behind it sit out, so that nobody overtakes it. When it is first in line, it
     goes now: the step's budget grows to fit it (up to `limit`, the most a step may compute),
-    and if even that is too little beside the running requests, they sit out this one step
-    (a one-step gap for their streams instead of a wait of many for it) when `may_hold_running`
-    (the caller's guard: never two such steps in a row, so the running requests always move
-    on), else it waits with everything behind it. A request longer than
+    and if even that is too little beside the running requests, the step is its own: the running
+    requests and every waiting one behind it sit out (a one-step gap for their streams instead
+    of a wait of many for it) when `may_hold_running` (the caller's guard: never two such steps
+    in a row, so the running requests always move on; never for a prompt less urgent than one
+    of them), else it waits with everything behind it. A request longer than
     `limit` cannot be helped and is left to vLLM (the server refuses such calls at submit).
     `waiting` is in the order vLLM takes it."""
     running_need = sum(tokens_to_compute(r) for r in running)
     left = budget - running_need
-    hold_running = False
     for i, r in enumerate(waiting):
         need = tokens_to_compute(r)
         if whole(r) and left < need <= limit:
             if i > 0:
-                return WholePrefillPlan(list(waiting[i:]), hold_running, budget)
+                return WholePrefillPlan(list(waiting[i:]), False, budget)
             if running_need + need <= limit:
                 budget = max(budget, running_need + need)
                 left = budget - running_need
-            elif may_hold_running:
-                hold_running, budget, left = True, need, need
+            elif may_hold_running:  # its own step: nothing else may enter beside it
+                return WholePrefillPlan(list(waiting[1:]), True, need)
             else:
                 return WholePrefillPlan(list(waiting), False, budget)
         left -= need
-    return WholePrefillPlan([], hold_running, budget)
+    return WholePrefillPlan([], False, budget)

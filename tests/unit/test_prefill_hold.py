@@ -140,11 +140,14 @@ def test_a_seeded_prompt_first_in_line_grows_a_short_step_to_fit_it() -> None:
 def test_a_seeded_prompt_first_in_line_gets_a_step_of_its_own_when_the_running_fill_it() -> None:
     # 20 decodes and a 500-token prompt do not fit a 512-token step: the decodes skip one
     # step rather than the prompt waiting for most of them to finish.
+    # Nothing else enters beside it: with a prefix-cache hit the budget left would take in a
+    # request behind it while the running ones are out, one more than vLLM has slots for.
     decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(20)]
+    behind = Req("later", 0, 0, 5)
     plan = hold_cut_prefills(
-        decodes, [Req("seeded", 0, 0, 500)], budget=LIMIT, limit=LIMIT, whole=seeded
+        decodes, [Req("seeded", 0, 0, 500), behind], budget=LIMIT, limit=LIMIT, whole=seeded
     )
-    assert plan == WholePrefillPlan([], True, 500)
+    assert plan == WholePrefillPlan([behind], True, 500)
 
 
 def test_a_seeded_prompt_longer_than_any_step_is_left_to_vllm() -> None:

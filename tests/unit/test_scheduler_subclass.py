@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from vllm import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from pyserver.engine.adapter.scheduler import PriorityPrefillScheduler
 from unit.test_prefill_hold import Req
@@ -74,6 +75,7 @@ def test_requests_holding_kv_blocks_go_first_so_the_budget_is_left_alone(seen: l
 @dataclass
 class SeededReq(Req):
     sampling_params: SamplingParams | None = None
+    status: RequestStatus = RequestStatus.WAITING
 
     def __hash__(self) -> int:
         return id(self)
@@ -163,3 +165,71 @@ def test_the_whole_prompt_limit_is_vllms_step_or_its_long_prefill_threshold() ->
     assert whole_prompt_limit(config) == 2048
     config.long_prefill_token_threshold = 256
     assert whole_prompt_limit(config) == 256
+
+
+def _own_step_scheduler(
+    monkeypatch: pytest.MonkeyPatch, running: list[Req], head: SeededReq
+) -> tuple[Any, list[list[str]]]:
+    seen: list[list[str]] = []
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> str:
+        seen.append([r.name for r in self.running])
+        return "scheduler-output"
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    s = scheduler(running, [])
+    s.waiting = Waiting([head])
+    s._whole_seeded_prompts = True
+    return s, seen
+
+
+SEEDED = SamplingParams(temperature=1, seed=1)
+
+
+def test_no_step_of_its_own_past_vllms_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(20)]
+    s, seen = _own_step_scheduler(
+        monkeypatch, decodes, SeededReq("seeded", 0, 0, 500, sampling_params=SEEDED)
+    )
+    s.max_num_running_reqs = 20  # every slot taken: it could not enter beside them anyway
+    s.schedule()
+    assert seen == [[d.name for d in decodes]]
+
+
+def test_no_step_of_its_own_for_a_prompt_less_urgent_than_a_running_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(19)] + [Req("top", -1, 120, 100, 20)]
+    s, seen = _own_step_scheduler(
+        monkeypatch, decodes, SeededReq("seeded", 0, 0, 500, sampling_params=SEEDED)
+    )
+    s.schedule()
+    assert seen == [[d.name for d in decodes]]  # the top stream's decode is never held for it
+
+
+def test_no_step_of_its_own_for_a_prompt_vllm_would_not_take_in_yet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(20)]
+    compiling = SeededReq(
+        "seeded",
+        0,
+        0,
+        500,
+        sampling_params=SEEDED,
+        status=RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+    )
+    s, seen = _own_step_scheduler(monkeypatch, decodes, compiling)
+    s.schedule()
+    assert seen == [[d.name for d in decodes]]
+
+
+def test_an_empty_queue_clears_the_last_own_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    decodes = [Req(f"d{i}", 0, 120, 100, 20) for i in range(20)]
+    s, _ = _own_step_scheduler(
+        monkeypatch, decodes, SeededReq("seeded", 0, 0, 500, sampling_params=SEEDED)
+    )
+    s._held_running_last = True
+    s.waiting = Waiting([])
+    s.schedule()
+    assert s._held_running_last is False

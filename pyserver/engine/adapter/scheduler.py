@@ -27,6 +27,7 @@ from typing import Any
 from vllm.sampling_params import SamplingType
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from pyserver.engine.prefill_hold import hold_cut_prefills, plan_urgent_step
 
@@ -75,6 +76,7 @@ class _PriorityPrefill(Scheduler):
         held_running = plan.held if plan is not None else []
         budget = plan.token_budget if plan is not None else self._normal_budget
         held_waiting: list[Any] = []
+        own_step = False
         if self._whole_seeded_prompts and waiting:
             held = {id(r) for r in held_running}
             whole = hold_cut_prefills(
@@ -83,16 +85,16 @@ class _PriorityPrefill(Scheduler):
                 budget=budget,
                 limit=self._whole_prompt_limit,
                 whole=_seeded_sampling,
-                # Never two steps in a row without the running requests (they must move on to
-                # free what the prompt waits for), and never one that would let vLLM take in
-                # more requests than it has slots for.
-                may_hold_running=not self._held_running_last
-                and len(self.running) < self.max_num_running_reqs,
+                may_hold_running=self._may_hold_running_for(waiting[0]),
             )
-            held_waiting, budget = whole.held_waiting, whole.token_budget
-            self._held_running_last = whole.hold_running
-            if whole.hold_running:
+            held_waiting, budget, own_step = (
+                whole.held_waiting,
+                whole.token_budget,
+                whole.hold_running,
+            )
+            if own_step:
                 held_running = list(self.running)
+        self._held_running_last = own_step
         if not held_running and not held_waiting and budget == self._normal_budget:
             return super().schedule(*args, **kwargs)
         if held_running:
@@ -109,6 +111,19 @@ class _PriorityPrefill(Scheduler):
             for r in held_waiting:
                 self.waiting.add_request(r)
             self.max_num_scheduled_tokens = self._normal_budget
+
+    def _may_hold_running_for(self, head: Any) -> bool:
+        """Whether every running request may sit out the next step so that the seeded prompt
+        first in line gets it whole: never two such steps in a row (the running requests must
+        move on, to free what the prompt may wait for), never for a prompt vLLM would not take
+        in now (a constraint still compiling), never one less urgent than a running request,
+        and never where taking it in would exceed vLLM's slots."""
+        return (
+            not self._held_running_last
+            and head.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            and all(head.priority <= r.priority for r in self.running)
+            and len(self.running) < self.max_num_running_reqs
+        )
 
 
 def _seeded_sampling(request: Any) -> bool:
