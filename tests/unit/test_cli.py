@@ -87,6 +87,17 @@ def test_a_separate_engine_core_on_the_cpu_binds_every_usable_core(
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"  # the operator's binding stays
 
 
+def test_bind_cores_pins_an_in_process_engine_to_every_usable_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("pyserver.cli.has_cuda_device", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
+    _prepare_engine_env(_serve("--engine-process", "inproc", "--bind-cores", "false"))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    _prepare_engine_env(_serve("--engine-process", "inproc", "--bind-cores"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-2,5"
+
+
 def test_vllms_own_engine_flags_pass_through_in_vllms_spelling() -> None:
     from pyserver.engine import parse_vllm_flags
 
