@@ -76,10 +76,23 @@ class Cluster:
     def log(self, i: int) -> Path:
         return self.tmp / f"replica{i}.log"
 
-    def start_replica(self, i: int) -> None:
-        self.procs[i] = spawn_server(self.ports[i], self.log(i), *REPLICA_FLAGS)
-        wait_serving(grpc.insecure_channel(f"127.0.0.1:{self.ports[i]}"), self.procs[i],
-                     self.log(i))  # fmt: skip
+    def start_replica(self, i: int, *, new_port: bool = False) -> None:
+        """Start replica i (on a port picked now with new_port, else on its own: HAProxy's
+        configuration names it). A port taken meanwhile by some other process's ephemeral
+        socket, which free_port cannot rule out, gets a retry."""
+        for attempt in range(3):
+            if new_port:
+                self.ports[i] = free_port()
+            self.procs[i] = spawn_server(self.ports[i], self.log(i), *REPLICA_FLAGS)
+            try:
+                wait_serving(grpc.insecure_channel(f"127.0.0.1:{self.ports[i]}"),
+                             self.procs[i], self.log(i))  # fmt: skip
+                return
+            except AssertionError:
+                in_use = "Address already in use" in self.log(i).read_text(errors="replace")
+                if attempt == 2 or not in_use:
+                    raise
+                time.sleep(1)
 
     def _stats(self, column: str) -> dict[str, str]:
         with urllib.request.urlopen(self.stats_url, timeout=5) as resp:
@@ -113,10 +126,10 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(live_server, tmp_path_factory) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("balancer")
-    c = Cluster(tmp, [free_port() for _ in range(REPLICAS)], [None] * REPLICAS)  # type: ignore[list-item]
+    c = Cluster(tmp, [0] * REPLICAS, [None] * REPLICAS)  # type: ignore[list-item]
     try:
         for i in range(REPLICAS):
-            c.start_replica(i)
+            c.start_replica(i, new_port=True)
         listen, stats = free_port(), free_port()
         config = (DEPLOY / "haproxy.cfg").read_text()
         servers = "\n".join(f"  server r{i} 127.0.0.1:{p}" for i, p in enumerate(c.ports))
