@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,20 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streambatch.v1 import generation_pb2 as pb
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
+
+
+def seconds_until(cond: Callable[[], object], limit_s: float) -> float | None:
+    """Seconds until cond() held, or None if it did not within limit_s."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if cond():
+            return time.monotonic() - start
+        time.sleep(0.01)
+    return time.monotonic() - start if cond() else None
+
+
+def wait_until(cond: Callable[[], object], limit_s: float = 5.0) -> bool:
+    return seconds_until(cond, limit_s) is not None
 
 
 def stub(target: str) -> pb_grpc.GenerationStub:

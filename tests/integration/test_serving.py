@@ -17,18 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streambatch.v1 import generation_pb2 as pb
 
-from integration.helpers import request, run_stream, stub
+from integration.helpers import request, run_stream, stub, wait_until
 
 pytestmark = pytest.mark.engine
-
-
-def wait_until(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_capital_of_france_streams_paris(engine_server) -> None:  # type: ignore[no-untyped-def]
