@@ -732,7 +732,7 @@ def host() -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -783,7 +783,11 @@ def main() -> None:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS), help="folder for compare.json/md/png")
-    args = p.parse_args()
+    return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill what the defaults leave to the machine: the model folder and the dtype."""
     args.sweep_full = [w for w in args.sweep_full.split(",") if w]
     if args.concurrency not in args.sweep:
         args.sweep = sorted({*args.sweep, args.concurrency})
@@ -795,6 +799,11 @@ def main() -> None:
         from pyserver.engine.adapter import resolve_dtype
 
         args.dtype = resolve_dtype("auto").replace("auto", "bfloat16")
+    return args
+
+
+def main() -> None:
+    args = resolve(parser().parse_args())
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(exist_ok=True)

@@ -28,8 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare
 from load import generate_request
 
-from pyserver.model import pull_default_model
-
 
 async def run(
     target: str, items: list[compare.Item], concurrency: int, warmup: int
@@ -76,12 +74,12 @@ def main() -> None:
     p.add_argument("--waves", type=int, default=4, help="measured calls = waves x concurrency")
     p.add_argument("serve_flags", nargs="*", help="extra `streambatch serve` flags (after --)")
     opts = p.parse_args()
-    args = argparse.Namespace(
-        model=str(pull_default_model()), dtype="bfloat16", seed=1, warmup=2,
-        requests=opts.waves * opts.concurrency, concurrency=opts.concurrency,
-        sweep=[opts.concurrency], sweep_waves=1.0, sweep_min_requests=4, sweep_cap=64,
-        sweep_full=[], workloads=opts.workload, prefix_tokens=1500, max_num_seqs=128,
-        max_model_len=2048, max_num_batched_tokens=2048, kv_cache_gib=2, prefix_caching=True,
+    # The bench's own defaults (engine arguments, workloads), at this one level.
+    args = compare.resolve(
+        compare.parser().parse_args(
+            ["--concurrency", str(opts.concurrency), "--sweep", str(opts.concurrency),
+             "--requests", str(opts.waves * opts.concurrency), "--workloads", opts.workload]
+        )
     )  # fmt: skip
     tok = AutoTokenizer.from_pretrained(args.model)
     items = compare.build_workloads(args, tok)[opts.workload].headline
