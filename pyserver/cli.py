@@ -354,12 +354,13 @@ def _prepare_engine_env(args: argparse.Namespace) -> None:
                 f"VLLM_CPU_OMP_THREADS_BIND={given!r} has {given.count('|') + 1} core groups "
                 f"for {ranks} parallel ranks: give one per rank, separated by '|'"
             )
-    elif os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and not has_cuda_device():
+    elif not has_cuda_device() and (
+        args.bind_cores or os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    ):
         # A separate engine core on the CPU: vLLM's automatic binding keeps a core back for the
         # serving process, which measured 0.68x of in-process throughput on 2 cores; vLLM's
         # documented binding over every core is what its own servers are benchmarked with.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", usable_cpu_list())
-    elif args.bind_cores and not has_cuda_device():
+        # In-process, the same binding only when asked (--bind-cores; A/B in docs/benchmarks).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", usable_cpu_list())
     # Read by the OpenMP runtime when torch loads. The default is every usable core: measured
     # on 2 cores, one thread for decode steps (leaving a core to gRPC, as vLLM's servers do for

@@ -81,11 +81,10 @@ class Engine:
         # On the CPU a seeded sampling prompt is prefilled whole, never in chunks (the
         # scheduler's rule, pyserver.engine.adapter.scheduler): a call whose prompt and output
         # (what a recompute after a preemption prefills) could exceed one step is refused.
-        from pyserver.engine.adapter.scheduler import whole_prompt_limit
+        from pyserver.engine.adapter.scheduler import seeded_prompt_limit
 
-        whole = whole_prompt_limit(config.scheduler_config)
-        on_cpu = config.device_config.device_type == "cpu"
-        self.max_seeded_sampling_tokens: int = whole if on_cpu and whole < self.max_model_len else 0
+        whole = seeded_prompt_limit(config)
+        self.max_seeded_sampling_tokens: int = whole if whole < self.max_model_len else 0
 
     def load_adapters(self) -> None:
         """Load every LoRA adapter into the engine now (vLLM would on first use)."""

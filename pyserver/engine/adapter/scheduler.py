@@ -51,8 +51,7 @@ class _PriorityPrefill(Scheduler):
         self._normal_budget = int(self.max_num_scheduled_tokens)
         self._urgent_limit = int(self.scheduler_config.max_num_batched_tokens)
         self._cap_urgent_steps = False
-        self._whole_seeded_prompts = self.vllm_config.device_config.device_type == "cpu"
-        self._whole_prompt_limit = whole_prompt_limit(self.scheduler_config)
+        self._whole_prompt_limit = seeded_prompt_limit(self.vllm_config)
         self._held_running_last = False
         with _local_lock:
             _local[id(self.vllm_config)] = weakref.ref(self)
@@ -77,7 +76,7 @@ class _PriorityPrefill(Scheduler):
         budget = plan.token_budget if plan is not None else self._normal_budget
         held_waiting: list[Any] = []
         own_step = False
-        if self._whole_seeded_prompts and waiting:
+        if self._whole_prompt_limit and any(_seeded_sampling(r) for r in waiting):
             held = {id(r) for r in held_running}
             whole = hold_cut_prefills(
                 [r for r in self.running if id(r) not in held],
@@ -148,9 +147,13 @@ def local_instance(vllm_config: Any) -> _PriorityPrefill | None:
     return sched if sched is not None and sched.vllm_config is vllm_config else None
 
 
-def whole_prompt_limit(scheduler_config: Any) -> int:
-    """The longest prompt vLLM can schedule in one step: its per-step maximum, or its
-    long-prefill threshold when set (vLLM cuts every longer prompt to it)."""
+def seeded_prompt_limit(vllm_config: Any) -> int:
+    """The longest seeded sampling prompt this engine takes whole, 0 where prompts may be cut
+    (not on the CPU). It is the longest prompt vLLM schedules in one step: its per-step
+    maximum, or its long-prefill threshold when set (vLLM cuts every longer prompt to it)."""
+    if vllm_config.device_config.device_type != "cpu":
+        return 0
+    scheduler_config = vllm_config.scheduler_config
     limit = int(scheduler_config.max_num_batched_tokens)
     threshold = int(scheduler_config.long_prefill_token_threshold or 0)
     return min(limit, threshold) if threshold > 0 else limit
