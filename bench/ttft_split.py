@@ -81,6 +81,7 @@ def main() -> None:
              "--requests", str(opts.waves * opts.concurrency), "--workloads", opts.workload]
         )
     )  # fmt: skip
+    args.prefix_caching = True  # as every make bench target runs
     tok = AutoTokenizer.from_pretrained(args.model)
     items = compare.build_workloads(args, tok)[opts.workload].headline
     extra = ["--kv-cache-gib", str(args.kv_cache_gib), *opts.serve_flags]

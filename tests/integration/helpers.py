@@ -16,18 +16,18 @@ from streambatch.v1 import generation_pb2 as pb
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
 
-def seconds_until(cond: Callable[[], object], limit_s: float) -> float | None:
+def seconds_until(cond: Callable[[], object], limit_s: float, poll_s: float = 0.01) -> float | None:
     """Seconds until cond() held, or None if it did not within limit_s."""
     start = time.monotonic()
     while time.monotonic() - start < limit_s:
         if cond():
             return time.monotonic() - start
-        time.sleep(0.01)
-    return time.monotonic() - start if cond() else None
+        time.sleep(poll_s)
+    return None
 
 
-def wait_until(cond: Callable[[], object], limit_s: float = 5.0) -> bool:
-    return seconds_until(cond, limit_s) is not None
+def wait_until(cond: Callable[[], object], limit_s: float = 5.0, poll_s: float = 0.02) -> bool:
+    return seconds_until(cond, limit_s, poll_s) is not None
 
 
 def stub(target: str) -> pb_grpc.GenerationStub:

@@ -210,7 +210,9 @@ def test_rolling_restart_behind_balancer(cluster: Cluster) -> None:
             held: list[StreamResult] = []
             holder = threading.Thread(target=hold_long_call, args=(direct, held))
             holder.start()
-            assert wait_until(lambda s=direct: s.GetLoad(pb.GetLoadRequest()).running >= 1, 30)
+            assert wait_until(
+                lambda s=direct: s.GetLoad(pb.GetLoadRequest()).running >= 1, 30, 0.05
+            )
             proc.send_signal(signal.SIGTERM)  # drain: in-flight calls finish, new ones go on
             cluster.wait_state(f"r{i}", "DOWN")
             assert proc.poll() is None, "the replica should still be draining its held call"
@@ -227,7 +229,7 @@ def test_rolling_restart_behind_balancer(cluster: Cluster) -> None:
             now = cluster.sessions()
             return all(now[name] > n for name, n in cluster.restarted_sessions.items())
 
-        assert wait_until(all_serving, 60), (cluster.sessions(), cluster.restarted_sessions)
+        assert wait_until(all_serving, 60, 0.05), (cluster.sessions(), cluster.restarted_sessions)
     failed = load.failed()
     print(f"rolling restart: {len(load.done)} calls, {len(failed)} failed")
     assert not failed, failed[:5]
@@ -237,7 +239,7 @@ def test_replica_killed_behind_balancer(cluster: Cluster) -> None:
     try:
         with Load(cluster.target) as load:
             # Kill it with calls of the load in flight on it.
-            assert wait_until(lambda: cluster.in_flight()["r1"] >= 1, 20), cluster.in_flight()
+            assert wait_until(lambda: cluster.in_flight()["r1"] >= 1, 20, 0.05), cluster.in_flight()
             in_flight = cluster.in_flight()["r1"]
             killed_at = time.monotonic()
             cluster.procs[1].send_signal(signal.SIGKILL)
@@ -246,9 +248,9 @@ def test_replica_killed_behind_balancer(cluster: Cluster) -> None:
             down_s = time.monotonic() - killed_at
             # Calls sent after the kill, each to its end (on a loaded 2-core machine three
             # replicas' calls can take seconds each: a fixed pause once saw none finish).
-            assert wait_until(lambda: sum(1 for d in load.done if d[0] > killed_at) >= 6, 90), (
-                load.done
-            )
+            assert wait_until(
+                lambda: sum(1 for d in load.done if d[0] > killed_at) >= 6, 90, 0.05
+            ), load.done
     finally:
         cluster.start_replica(1)
     after = [d for d in load.done if d[0] > killed_at]
