@@ -34,7 +34,7 @@ def scheduler(running: list[Req], waiting: list[Req]) -> Any:
     s.running, s.waiting = running, waiting
     s.max_num_scheduled_tokens = 128
     s._top_priority, s._normal_budget, s._urgent_limit, s._cap_urgent_steps = -1, 128, 512, False
-    s._whole_prompt_limit, s._held_running_last = 0, False  # 0: not the CPU's rule
+    s._seeded_prompt_limit, s._held_running_last = 0, False  # 0: not the CPU's rule
     s.max_num_running_reqs = 32
     return s
 
@@ -109,7 +109,7 @@ def test_a_seeded_prompt_that_would_be_cut_leaves_the_queue_for_the_step(
     behind = SeededReq("later", 0, 0, 5, sampling_params=SamplingParams(temperature=0.0))
     s = scheduler([Req("d", 0, 120, 100, 20)], [])
     s.waiting = Waiting([ahead, cut, behind])
-    s._whole_prompt_limit = 512
+    s._seeded_prompt_limit = 512
     assert s.schedule() == "scheduler-output"
     assert queued == [["new"]]  # 1 + 100 of 128 leave 27: the 60-token prompt would be cut
     assert [r.name for r in s.waiting] == ["new", "seeded", "later"]
@@ -143,7 +143,7 @@ def test_a_seeded_prompt_first_in_line_gets_its_own_step_and_the_decodes_come_ba
     prompt = SeededReq("seeded", 0, 0, 500, sampling_params=SamplingParams(temperature=1, seed=1))
     s = scheduler(list(decodes), [])
     s.waiting = Waiting([prompt])
-    s._whole_prompt_limit = 512
+    s._seeded_prompt_limit = 512
     s.schedule()
     assert seen == [([], ["seeded"], 500)]
     assert [r.name for r in s.running] == [d.name for d in decodes]
@@ -184,7 +184,7 @@ def _own_step_scheduler(
     monkeypatch.setattr(Scheduler, "schedule", schedule)
     s = scheduler(running, [])
     s.waiting = Waiting([head])
-    s._whole_prompt_limit = 512
+    s._seeded_prompt_limit = 512
     return s, seen
 
 

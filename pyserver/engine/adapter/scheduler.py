@@ -51,7 +51,7 @@ class _PriorityPrefill(Scheduler):
         self._normal_budget = int(self.max_num_scheduled_tokens)
         self._urgent_limit = int(self.scheduler_config.max_num_batched_tokens)
         self._cap_urgent_steps = False
-        self._whole_prompt_limit = seeded_prompt_limit(self.vllm_config)
+        self._seeded_prompt_limit = seeded_prompt_limit(self.vllm_config)
         self._held_running_last = False
         with _local_lock:
             _local[id(self.vllm_config)] = weakref.ref(self)
@@ -76,13 +76,13 @@ class _PriorityPrefill(Scheduler):
         budget = plan.token_budget if plan is not None else self._normal_budget
         held_waiting: list[Any] = []
         own_step = False
-        if self._whole_prompt_limit and any(_seeded_sampling(r) for r in waiting):
+        if self._seeded_prompt_limit and any(_seeded_sampling(r) for r in waiting):
             held = {id(r) for r in held_running}
             whole = hold_cut_prefills(
                 [r for r in self.running if id(r) not in held],
                 waiting,
                 budget=budget,
-                limit=self._whole_prompt_limit,
+                limit=self._seeded_prompt_limit,
                 whole=_seeded_sampling,
                 may_hold_running=self._may_hold_running_for(waiting[0]),
             )
