@@ -482,6 +482,10 @@ def summarize(
     }
 
 
+def _median_or_none(values: list[float]) -> float | None:
+    return round(float(np.median(values)), 2) if values else None
+
+
 def calibration(outcomes: list[Outcome]) -> list[float]:
     return [
         o.total_s / o.predicted_s
@@ -682,6 +686,13 @@ def report(
             row: dict[str, Any] = {"seed": seed, "load": load, "rate_req_s": rate_of[load]}  # type: ignore[index]
             for name in targets:
                 row[name] = results[name]["points"][key]["summary"]
+            # Per point and class: the pooled median can hide a load where the prediction is
+            # off (under sustained overload a low call's wait depends on later arrivals).
+            outcomes = results["streambatch"]["points"][key]["outcomes"]
+            row["streambatch"]["median_actual_over_predicted"] = {
+                cls: _median_or_none(calibration([o for o in outcomes if o.priority == p]))
+                for cls, p in (("high", 1), ("low", 0))
+            }
             if "streambatch_refusing" in results:
                 row["streambatch_refusing"]["refused_would_have_finished"] = _would_have_finished(
                     results["streambatch_refusing"]["points"][key]["outcomes"],
