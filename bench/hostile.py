@@ -10,12 +10,13 @@ validation in a millisecond, the valid ones share engine steps.
 from __future__ import annotations
 
 import math
+import random
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from streambatch.v1 import generation_pb2 as pb
 
@@ -173,6 +174,7 @@ raw_frames = st.one_of(
 
 @dataclass
 class FuzzReport:
+    seed: int = 0  # hypothesis's seed: the same seed generates the same cases again
     cases: int = 0
     codes: Counter[str] = field(default_factory=Counter)
     bad: list[tuple[str, str, str]] = field(default_factory=list)  # (code, details, case)
@@ -240,10 +242,14 @@ def fuzz(
     raw_share: float = 0.1,
     concurrency: int = 16,
     timeout_s: float = 20.0,
+    seed_value: int | None = None,
 ) -> FuzzReport:
     """Send `examples` hypothesis-generated requests (plus raw malformed frames, raw_share of
-    that number) and classify how each ended."""
+    that number) and classify how each ended. Unseeded, every run explores new cases; the
+    report carries the seed it drew, and passing it back generates the same cases (the
+    server's answers may still differ with timing)."""
     sender = _Sender(channel, concurrency, timeout_s)
+    sender.report.seed = random.randrange(2**32) if seed_value is None else seed_value
     opts = settings(
         max_examples=examples,
         deadline=None,
@@ -251,11 +257,13 @@ def fuzz(
         suppress_health_check=list(HealthCheck),
     )
 
+    @seed(sender.report.seed)
     @opts
     @given(req=requests())
     def structured(req: pb.GenerateRequest) -> None:
         sender.send(req.SerializeToString(), repr(req))
 
+    @seed(sender.report.seed)
     @settings(opts, max_examples=max(1, int(examples * raw_share)))
     @given(frame=raw_frames)
     def raw(frame: bytes) -> None:
