@@ -10,7 +10,7 @@ validation in a millisecond, the valid ones share engine steps.
 from __future__ import annotations
 
 import math
-import random
+import secrets
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -246,10 +246,10 @@ def fuzz(
 ) -> FuzzReport:
     """Send `examples` hypothesis-generated requests (plus raw malformed frames, raw_share of
     that number) and classify how each ended. Unseeded, every run explores new cases; the
-    report carries the seed it drew, and passing it back generates the same cases (the
-    server's answers may still differ with timing)."""
+    report carries the seed it drew, and passing it back with the same `examples` and
+    `raw_share` generates the same cases (the server's answers may still differ with timing)."""
     sender = _Sender(channel, concurrency, timeout_s)
-    sender.report.seed = random.randrange(2**32) if seed_value is None else seed_value
+    sender.report.seed = secrets.randbits(32) if seed_value is None else seed_value
     opts = settings(
         max_examples=examples,
         deadline=None,

@@ -215,13 +215,17 @@ def main() -> None:
         "rss_warm_mib": round(rss_warm / 2**20, 1),
         "rss_after_mib": round(rss_after / 2**20, 1),
         "rss_growth_pct": round((rss_after - rss_warm) / rss_warm * 100, 2),
+        "fuzz_seed": report.seed,
         "fuzz_cases": report.cases,
         "fuzz_codes": dict(report.codes),
         "fuzz_internal_errors": report.internal_errors,
         "served_after": served_after and alive,
     }
     if report.bad:
-        print(f"fuzz failures (first 5): {report.bad[:5]}", file=sys.stderr)
+        print(
+            f"fuzz failures (first 5; seed {report.seed}, {args.fuzz} examples): {report.bad[:5]}",
+            file=sys.stderr,
+        )
     print(json.dumps(result))
 
 

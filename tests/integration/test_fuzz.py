@@ -19,7 +19,7 @@ from integration.helpers import request, stub
 pytestmark = pytest.mark.engine
 
 EXAMPLES = int(os.environ.get("STREAMBATCH_FUZZ_EXAMPLES", "2000"))
-# A failure's seed (printed) replays its cases: STREAMBATCH_FUZZ_SEED=<seed>.
+# A failure's seed replays its cases with the same number of examples (both in its message).
 SEED = int(os.environ["STREAMBATCH_FUZZ_SEED"]) if os.environ.get("STREAMBATCH_FUZZ_SEED") else None
 
 
@@ -28,7 +28,8 @@ def test_hostile_requests_get_precise_statuses(live_server) -> None:  # type: ig
         report = fuzz(channel, EXAMPLES, timeout_s=20, seed_value=SEED)
     print(f"fuzz: seed {report.seed}, {report.cases} cases, {dict(report.codes)}")
     assert report.cases >= EXAMPLES, report.cases
-    assert not report.bad, (f"STREAMBATCH_FUZZ_SEED={report.seed}", report.bad[:5])
+    replay = f"STREAMBATCH_FUZZ_EXAMPLES={EXAMPLES} STREAMBATCH_FUZZ_SEED={report.seed}"
+    assert not report.bad, (replay, report.bad[:5])
     # The generator reached both sides: accepted work and refusals.
     assert report.codes["OK"] > 0 and report.codes["INVALID_ARGUMENT"] > 0, report.codes
 
