@@ -69,6 +69,13 @@ def _bool(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _seconds(text: str | float) -> float:
+    value = float(text)
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
     if isinstance(text, tuple):
         return text
@@ -241,7 +248,23 @@ def _serve_parser(sub: Any) -> None:
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
-    _add(p, "--drain-grace-s", float, 30.0, "on SIGTERM, how long in-flight calls may finish")
+    _add(p, "--drain-grace-s", _seconds, 30.0, "on SIGTERM, how long in-flight calls may finish")
+    _add(
+        p,
+        "--drain-accept-s",
+        _seconds,
+        10.0,
+        "on SIGTERM, health turns NOT_SERVING at once but new calls are still served while "
+        "they keep coming (a balancer sends them until its health checks notice), at most "
+        "this long (0: refuse new calls at once)",
+    )
+    _add(
+        p,
+        "--drain-quiet-s",
+        _seconds,
+        1.0,
+        "the accept window ends once no new call has arrived for this long",
+    )
     _add(p, "--reflection", _bool, True, "serve gRPC reflection (for grpcurl)")
     _add(p, "--max-concurrent-streams", int, 1024, "concurrent calls per client connection")
     _add(p, "--tls-cert", str, "", "PEM server certificate chain (with --tls-key: TLS)")
@@ -443,6 +466,8 @@ def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_message_bytes=args.max_message_bytes,
         drain_grace_s=args.drain_grace_s,
+        drain_accept_s=args.drain_accept_s,
+        drain_quiet_s=args.drain_quiet_s,
         tracing=args.tracing,
         record_content=args.record_content,
         trace_engine_steps=args.trace_engine_steps,

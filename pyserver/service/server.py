@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,11 @@ class ServerSettings:
     max_message_bytes: int = 4 * 1024 * 1024
     max_concurrent_streams: int = 1024
     drain_grace_s: float = 30.0
+    # After SIGTERM, new calls are still served while they keep coming (none for drain_quiet_s
+    # ends it), at most drain_accept_s: a balancer sends calls until its health checks see
+    # NOT_SERVING, and refusing them meanwhile fails calls a healthy replica would have taken.
+    drain_accept_s: float = 10.0
+    drain_quiet_s: float = 1.0
     reflection: bool = True
     tls_cert: str = ""
     tls_key: str = ""
@@ -210,7 +216,7 @@ class StreambatchServer:
         gc.collect()
         gc.freeze()
         self.worker.start()
-        self.servicer.serving = True
+        self.servicer.serving = self.servicer.accepting = True
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
         log.info("serving %s on %s:%d", s.engine.model, s.host, self.port)
@@ -266,19 +272,27 @@ class StreambatchServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._start_drain)
 
-    def _start_drain(self) -> None:
-        self._drain_task = asyncio.ensure_future(self.drain())
+    def _start_drain(self, *, accept_window: bool = True) -> None:
+        self._drain_task = asyncio.ensure_future(self.drain(accept_window=accept_window))
 
-    async def drain(self) -> None:
-        """Graceful stop: refuse new calls, let in-flight ones finish within the grace period."""
+    async def drain(self, *, accept_window: bool = True) -> None:
+        """Graceful stop: health NOT_SERVING at once; new calls still served while they keep
+        arriving (the accept window, while balancers notice), then refused; in-flight calls
+        finish within the grace period."""
         if self._draining:
             return
         self._draining = True
-        log.info("draining: health NOT_SERVING, refusing new calls")
         await self.health.enter_graceful_shutdown()
         grace = self.settings.drain_grace_s
         if self.servicer is not None and self.worker is not None:
             self.servicer.serving = False
+            if accept_window and self.settings.drain_accept_s > 0:
+                log.info("draining: health NOT_SERVING; serving new calls until none arrives "
+                         "for %.1f s (at most %.1f s)",
+                         self.settings.drain_quiet_s, self.settings.drain_accept_s)  # fmt: skip
+                await self._accept_until_quiet(self.servicer)
+            log.info("draining: refusing new calls, %d in flight", self.servicer.in_flight)
+            self.servicer.accepting = False
             self.worker.close()
             try:
                 await asyncio.wait_for(self.servicer.idle.wait(), grace)
@@ -296,7 +310,19 @@ class StreambatchServer:
     def _on_engine_failure(self, exc: BaseException) -> None:
         log.error("engine failed (%s); exiting for the supervisor to restart", exc)
         self.exit_code = 1
-        self._start_drain()
+        self._start_drain(accept_window=False)  # a new call could only fail
+
+    async def _accept_until_quiet(self, servicer: GenerationServicer) -> None:
+        """Return once no call has arrived for drain_quiet_s since the drain began, or
+        drain_accept_s after it began, whichever is first."""
+        began = time.monotonic()
+        limit = began + self.settings.drain_accept_s
+        while True:
+            now = time.monotonic()
+            quiet_until = max(began, servicer.last_call_s) + self.settings.drain_quiet_s
+            if now >= min(quiet_until, limit):
+                return
+            await asyncio.sleep(min(quiet_until, limit) - now)
 
     async def wait(self) -> int:
         await self._stopped.wait()

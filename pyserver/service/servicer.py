@@ -62,7 +62,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._tracer = tracer
         self._limits = limits
         self._model_name = model_name
-        self.serving = False  # False while starting and draining
+        self.serving = False  # what GetLoad reports, like health: False starting and draining
+        # New calls taken: from the start until a drain's accept window closes (a balancer
+        # keeps sending for a few health checks after the replica turns NOT_SERVING).
+        self.accepting = False
+        self.last_call_s = 0.0  # time.monotonic() of the latest call's arrival
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -275,7 +279,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         own to the queue and the engine; the prefix cache shares their prompt). Raises
         RequestError for a call refused before queueing, with none of it left queued."""
         accepted_ns = time.monotonic_ns()
-        if not self.serving:
+        self.last_call_s = accepted_ns / 1e9
+        if not self.accepting:
             raise RequestError(
                 ErrorKind.UNAVAILABLE,
                 "the server is starting or draining; retry on another replica",

@@ -32,7 +32,9 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
     target = f"127.0.0.1:{port}"
     log = tmp_path / "server.log"
     # vLLM's own spellings: a bare boolean, and an engine flag streambatch does not define.
-    proc = spawn_server(port, log, "--enforce-eager", "--long-prefill-token-threshold", "512")
+    # A 3 s quiet period: the first late call below arrives well inside it on a loaded machine.
+    proc = spawn_server(port, log, "--enforce-eager", "--long-prefill-token-threshold", "512",
+                        "--drain-quiet-s", "3")  # fmt: skip
     try:
         channel = grpc.insecure_channel(target, options=POLLING)
         seen_not_serving = wait_serving(channel, proc, log)
@@ -43,8 +45,9 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         streams = [
             threading.Thread(
                 target=lambda i=i: results.append(
-                    # Long enough to be in flight through the checks below at any engine speed.
-                    run_stream(s, request(f"Story {i}", max_tokens=300, ignore_eos=True))
+                    # Long enough to be in flight through the checks below (about 7 s) at any
+                    # engine speed.
+                    run_stream(s, request(f"Story {i}", max_tokens=800, ignore_eos=True))
                 )
             )
             for i in range(3)
@@ -59,12 +62,18 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         while health_status(channel) != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < flipped_by, "health never turned NOT_SERVING on SIGTERM"
             time.sleep(0.05)
-        late = run_stream(s, request("new call during drain", max_tokens=4))
-        assert late.code == grpc.StatusCode.UNAVAILABLE
+        # The accept window: a balancer still sends calls until its checks see NOT_SERVING,
+        # and those are served; once none has come for the quiet period, new calls are refused.
+        late = run_stream(s, request("call while balancers notice", max_tokens=4))
+        assert late.code == grpc.StatusCode.OK, late.details
+        time.sleep(3 + 1.5)
+        refused = run_stream(s, request("call after the window", max_tokens=4))
+        assert refused.code == grpc.StatusCode.UNAVAILABLE, refused.details
+        assert "draining" in refused.details
         for t in streams:
             t.join(120)
         assert [r.code for r in results] == [grpc.StatusCode.OK] * 3, [r.details for r in results]
-        assert all(r.last.usage.completion_tokens == 300 for r in results)
+        assert all(r.last.usage.completion_tokens == 800 for r in results)
         assert proc.wait(120) == 0
     finally:
         stop(proc)

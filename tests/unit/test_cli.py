@@ -185,3 +185,13 @@ def test_pipeline_parallel_on_the_cpu_is_a_usage_error(monkeypatch: pytest.Monke
     with pytest.raises(UsageError, match="pipeline-parallel-size"):
         _prepare_engine_env(_serve("--pipeline-parallel-size", "2"))
     assert main(["serve", "--pipeline-parallel-size", "2"]) == 2
+
+
+@pytest.mark.parametrize("flag", ["--drain-accept-s", "--drain-quiet-s", "--drain-grace-s"])
+def test_negative_seconds_are_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pyserver.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", flag, "-1"])
+    assert exit_.value.code == 2
+    assert "expected seconds >= 0" in capsys.readouterr().err
