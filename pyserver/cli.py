@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -71,7 +72,7 @@ def _bool(text: str | bool) -> bool:
 
 def _seconds(text: str | float) -> float:
     value = float(text)
-    if not value >= 0:  # also NaN
+    if not 0 <= value < math.inf:  # also NaN
         raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
     return value
 
@@ -256,14 +257,15 @@ def _serve_parser(sub: Any) -> None:
         10.0,
         "on SIGTERM, health turns NOT_SERVING at once but new calls are still served while "
         "they keep coming (a balancer sends them until its health checks notice), at most "
-        "this long (0: refuse new calls at once)",
+        "this long (0: refuse new calls at once; SIGINT never waits)",
     )
     _add(
         p,
         "--drain-quiet-s",
         _seconds,
-        1.0,
-        "the accept window ends once no new call has arrived for this long",
+        2.0,
+        "the accept window ends once no new call has arrived for this long: at least the "
+        "time a balancer takes to mark a replica down (0: no window)",
     )
     _add(p, "--reflection", _bool, True, "serve gRPC reflection (for grpcurl)")
     _add(p, "--max-concurrent-streams", int, 1024, "concurrent calls per client connection")

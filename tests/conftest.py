@@ -139,7 +139,7 @@ def _run_server(separate_process: bool) -> Iterator[LiveServer]:
     if failure:
         raise failure[0]
     yield LiveServer(server, loop, f"127.0.0.1:{server.port}", memory, otlp)
-    asyncio.run_coroutine_threadsafe(server.drain(), loop).result(60)
+    asyncio.run_coroutine_threadsafe(server.drain(accept_window=False), loop).result(60)
     thread.join(30)
     otlp.stop()
 

@@ -1,7 +1,8 @@
 #!/bin/sh
 # HAProxy external check: the gRPC health protocol (grpc.health.v1) for streambatch.v1.Generation.
 # HAProxy calls it as: <proxy addr> <proxy port> <server addr> <server port>. Exit 0 only on
-# SERVING: a replica that is loading or draining answers NOT_SERVING and takes no new calls.
+# SERVING: a replica that is loading or draining answers NOT_SERVING (a draining one still
+# serves what arrives until it is marked down: its accept window, docs/api.md "Shutdown").
 # The proto comes from this folder, so the check works with --reflection false and with
 # --auth-token-file (health is exempt from tokens). Plaintext: for TLS replicas add -cacert.
 # grpcurl comes from the PATH HAProxy sets (`external-check path`).

@@ -10,6 +10,7 @@ end UNAVAILABLE and the process exits 1 for its supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -73,7 +74,7 @@ class ServerSettings:
     # ends it), at most drain_accept_s: a balancer sends calls until its health checks see
     # NOT_SERVING, and refusing them meanwhile fails calls a healthy replica would have taken.
     drain_accept_s: float = 10.0
-    drain_quiet_s: float = 1.0
+    drain_quiet_s: float = 2.0
     reflection: bool = True
     tls_cert: str = ""
     tls_key: str = ""
@@ -113,6 +114,7 @@ class StreambatchServer:
         self.exit_code = 0
         self._draining = False
         self._drain_task: asyncio.Future[None] | None = None
+        self._window_closed = asyncio.Event()  # set: a drain's accept window must end now
 
     async def start(self, *, engine: Engine | None = None) -> None:
         """Open the port, then load the engine (off the loop) and turn SERVING."""
@@ -269,10 +271,18 @@ class StreambatchServer:
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._start_drain)
+        # SIGTERM is what an orchestrator or balancer-managed restart sends: the drain keeps an
+        # accept window. SIGINT is an operator's Ctrl-C: no window. A second signal of either
+        # kind (or an engine failure) ends a window still open.
+        loop.add_signal_handler(signal.SIGTERM, self._start_drain)
+        loop.add_signal_handler(signal.SIGINT, self._start_drain, False)
 
-    def _start_drain(self, *, accept_window: bool = True) -> None:
+    def _start_drain(self, accept_window: bool = True) -> None:
+        if self._draining:  # a second signal or an engine failure: no more new calls
+            if not self._window_closed.is_set():
+                log.info("draining: the accept window ends early")
+            self._window_closed.set()
+            return
         self._drain_task = asyncio.ensure_future(self.drain(accept_window=accept_window))
 
     async def drain(self, *, accept_window: bool = True) -> None:
@@ -310,19 +320,21 @@ class StreambatchServer:
     def _on_engine_failure(self, exc: BaseException) -> None:
         log.error("engine failed (%s); exiting for the supervisor to restart", exc)
         self.exit_code = 1
-        self._start_drain(accept_window=False)  # a new call could only fail
+        self._start_drain(False)  # a new call could only fail: no window, or end the open one
 
     async def _accept_until_quiet(self, servicer: GenerationServicer) -> None:
-        """Return once no call has arrived for drain_quiet_s since the drain began, or
-        drain_accept_s after it began, whichever is first."""
+        """Return once no call has arrived for drain_quiet_s since the drain began,
+        drain_accept_s after it began, or when the window is closed (a second signal, an
+        engine failure), whichever is first."""
         began = time.monotonic()
         limit = began + self.settings.drain_accept_s
-        while True:
+        while not self._window_closed.is_set():
             now = time.monotonic()
             quiet_until = max(began, servicer.last_call_s) + self.settings.drain_quiet_s
             if now >= min(quiet_until, limit):
                 return
-            await asyncio.sleep(min(quiet_until, limit) - now)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._window_closed.wait(), min(quiet_until, limit) - now)
 
     async def wait(self) -> int:
         await self._stopped.wait()

@@ -67,6 +67,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         late = run_stream(s, request("call while balancers notice", max_tokens=4))
         assert late.code == grpc.StatusCode.OK, late.details
         time.sleep(3 + 1.5)
+        assert all(t.is_alive() for t in streams), "the held streams ended: the port is closed"
         refused = run_stream(s, request("call after the window", max_tokens=4))
         assert refused.code == grpc.StatusCode.UNAVAILABLE, refused.details
         assert "draining" in refused.details
