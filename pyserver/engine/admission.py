@@ -4,6 +4,7 @@ request preempts (pure policy over counts and WorkItems; the worker applies it).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 
 from pyserver.batching import BatchQueue, PushStatus
@@ -33,25 +34,33 @@ def preemption_victims(
     *,
     top: int,
     needed: int,
-    can_wait: Callable[[WorkItem], bool],
+    slack: Callable[[WorkItem], float],
 ) -> list[WorkItem]:
-    """The running requests to abort and requeue for `needed` waiting top-priority ones: the
-    lowest priority first, and of those the least progressed (least work thrown away), never
-    one that could not wait as long as it has left to run and still finish in time, nor one
-    whose sampling would not resume as it was (Sampling.resumable)."""
-    candidates = (
-        it for it in running if it.priority < top and it.sampling.resumable and can_wait(it)
-    )
-    return sorted(candidates, key=lambda it: (it.priority, it.completion_tokens))[: max(1, needed)]
+    """The running requests to abort and requeue for `needed` waiting top-priority ones, never
+    one whose sampling would not resume as it was (Sampling.resumable). By `slack` (time to
+    its deadline ÷ predicted remaining time, inf without a deadline) a request may be stopped
+    when it could wait as long as it has left to run and still finish in time (slack > 2), or
+    when it is predicted to miss its deadline anyway (slack < 1: stopping it costs its caller
+    nothing it would have got); it is kept in between. The lowest priority first; in a level,
+    the ones predicted to miss first, then the least progressed (least work thrown away)."""
+    candidates = []
+    for it in running:
+        if it.priority >= top or not it.sampling.resumable:
+            continue
+        s = slack(it)
+        if s > 2.0 or s < 1.0:
+            candidates.append((it.priority, s >= 1.0, it.completion_tokens, it))
+    candidates.sort(key=lambda c: c[:3])
+    return [c[3] for c in candidates[: max(1, needed)]]
 
 
-def can_wait_for(item: WorkItem, now: int, remaining_service_s: float) -> bool:
-    """A request with a deadline is preempted only if it could wait as long as it has left to
-    run and still finish in time, so preemption never turns a request that was admitted in
-    time into one that misses its deadline."""
+def deadline_slack(item: WorkItem, now: int, remaining_service_s: float) -> float:
+    """Time left to the request's deadline ÷ its predicted remaining service time (inf with no
+    deadline): above 2 it can wait as long as it has left to run and still finish in time;
+    below 1 it is predicted to miss."""
     if not item.deadline_ns:
-        return True
-    return (item.deadline_ns - now) / 1e9 > 2 * remaining_service_s
+        return math.inf
+    return (item.deadline_ns - now) / 1e9 / max(remaining_service_s, 1e-9)
 
 
 def requeue_for_top_priority(
@@ -62,7 +71,7 @@ def requeue_for_top_priority(
     free: int,
     kv_room: int,
     after_ns: int,
-    can_wait: Callable[[WorkItem], bool],
+    slack: Callable[[WorkItem], float],
 ) -> list[int]:
     """Put back in the queue (at the front of their level) the running requests that waiting
     top-priority ones preempt, when those have waited `after_ns` and the engine has no room for
@@ -75,9 +84,7 @@ def requeue_for_top_priority(
     if not waiting or stats.oldest_wait_ns_by_level[top] < after_ns:
         return []
     stopped: list[int] = []
-    for item in preemption_victims(
-        running.values(), top=top, needed=waiting - free, can_wait=can_wait
-    ):
+    for item in preemption_victims(running.values(), top=top, needed=waiting - free, slack=slack):
         remaining = item.sampling.max_tokens - item.completion_tokens
         if remaining <= 0:
             continue  # finishing this step anyway

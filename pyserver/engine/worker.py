@@ -29,7 +29,7 @@ from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, WorkItem
 from pyserver.engine import adapter
 from pyserver.engine.admission import (
     admission_room,
-    can_wait_for,
+    deadline_slack,
     requeue_for_top_priority,
     resumed,
 )
@@ -372,7 +372,7 @@ class EngineWorker:
             free=max(0, self.concurrency_limit - len(self._running)),
             kv_room=self.kv.room,
             after_ns=self._preempt_after_ns,
-            can_wait=lambda it: can_wait_for(it, now, self.deadlines.remaining_service_s(it)),
+            slack=lambda it: deadline_slack(it, now, self.deadlines.remaining_service_s(it)),
         )
         if not stopped:
             return

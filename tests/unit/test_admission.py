@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from pyserver.domain import Mailbox, Sampling, Structured, WorkItem
-from pyserver.engine.admission import admission_room, can_wait_for, preemption_victims, resumed
+from pyserver.engine.admission import admission_room, deadline_slack, preemption_victims, resumed
 
 
 def item(handle: int, priority: int, done: int = 0, deadline_s: float = 0.0) -> WorkItem:
@@ -41,18 +42,29 @@ def test_reserved_slots_take_only_waiting_top_requests() -> None:
 
 def test_victims_are_the_lowest_priority_least_progressed_that_can_wait() -> None:
     running = [item(1, 1, 10), item(2, 0, 30), item(3, 0, 5), item(4, 0, 1, deadline_s=0.5)]
-    urgent = {4}  # has a deadline it could not keep if it waited
+    slack = {4: 1.5}  # could neither wait its rest nor is it predicted to miss: kept
     victims = preemption_victims(
-        running, top=2, needed=2, can_wait=lambda it: it.handle not in urgent
+        running, top=2, needed=2, slack=lambda it: slack.get(it.handle, math.inf)
     )
     assert [v.handle for v in victims] == [3, 2]
 
 
-def test_a_request_with_a_deadline_is_preempted_only_if_it_can_wait_its_rest() -> None:
+def test_requests_predicted_to_miss_anyway_go_first() -> None:
+    """Stopping a request whose deadline is lost anyway costs its caller nothing; stopping one
+    that would still finish may cost it the deadline."""
+    running = [item(1, 0, 2), item(2, 0, 40), item(3, 0, 1), item(4, 1, 0)]
+    slack = {1: math.inf, 2: 0.6, 3: 1.9, 4: 0.1}
+    victims = preemption_victims(running, top=2, needed=3, slack=lambda it: slack[it.handle])
+    # Level 0 before level 1; in level 0 the doomed one (2) before the free one (1); 3 kept.
+    assert [v.handle for v in victims] == [2, 1, 4]
+
+
+def test_slack_is_time_left_over_predicted_remaining() -> None:
     now = time.monotonic_ns()
-    assert can_wait_for(item(1, 0), now, remaining_service_s=100.0)  # no deadline
-    assert can_wait_for(item(2, 0, deadline_s=10.0), now, remaining_service_s=4.0)
-    assert not can_wait_for(item(3, 0, deadline_s=10.0), now, remaining_service_s=6.0)
+    assert deadline_slack(item(1, 0), now, remaining_service_s=100.0) == math.inf
+    assert deadline_slack(item(2, 0, deadline_s=10.0), now, remaining_service_s=4.0) > 2
+    assert 1 < deadline_slack(item(3, 0, deadline_s=10.0), now, remaining_service_s=6.0) < 2
+    assert deadline_slack(item(4, 0, deadline_s=10.0), now, remaining_service_s=12.0) < 1
 
 
 def test_a_resumed_request_carries_its_output_and_has_that_much_less_to_go() -> None:
@@ -73,7 +85,7 @@ def test_constrained_and_penalised_requests_are_never_victims() -> None:
     constrained.sampling = Sampling(max_tokens=20, structured=Structured("regex", "[0-9]+"))
     penalised.sampling = Sampling(max_tokens=20, frequency_penalty=0.5)
     victims = preemption_victims(
-        [constrained, penalised, plain], top=1, needed=3, can_wait=lambda it: True
+        [constrained, penalised, plain], top=1, needed=3, slack=lambda it: math.inf
     )
     assert [v.handle for v in victims] == [3]
 
