@@ -40,8 +40,8 @@ def preemption_victims(
     one whose sampling would not resume as it was (Sampling.resumable). By `slack` (time to
     its deadline ÷ predicted remaining time, inf without a deadline) a request may be stopped
     when it could wait as long as it has left to run and still finish in time (slack > 2), or
-    when it is predicted to miss its deadline anyway (slack < 1: stopping it costs its caller
-    nothing it would have got); it is kept in between. The lowest priority first; in a level,
+    when it is predicted to miss its deadline anyway (slack < 1: more likely than not to miss,
+    so stopping it costs its caller little); it is kept in between. The lowest priority first; in a level,
     the ones predicted to miss first, then the least progressed (least work thrown away)."""
     candidates = []
     for it in running:

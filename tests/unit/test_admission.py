@@ -59,12 +59,22 @@ def test_requests_predicted_to_miss_anyway_go_first() -> None:
     assert [v.handle for v in victims] == [2, 1, 4]
 
 
+def test_slack_bounds_are_exclusive_and_the_doomed_go_least_progressed_first() -> None:
+    running = [item(1, 0, 9), item(2, 0, 3), item(3, 0, 1), item(4, 0, 1), item(5, 0, 0)]
+    # 1 and 2 are doomed (one already past its deadline), 3 and 4 sit exactly on the bounds.
+    slack = {1: 0.2, 2: -0.5, 3: 1.0, 4: 2.0, 5: math.inf}
+    victims = preemption_victims(running, top=1, needed=5, slack=lambda it: slack[it.handle])
+    assert [v.handle for v in victims] == [2, 1, 5]
+
+
 def test_slack_is_time_left_over_predicted_remaining() -> None:
     now = time.monotonic_ns()
     assert deadline_slack(item(1, 0), now, remaining_service_s=100.0) == math.inf
     assert deadline_slack(item(2, 0, deadline_s=10.0), now, remaining_service_s=4.0) > 2
     assert 1 < deadline_slack(item(3, 0, deadline_s=10.0), now, remaining_service_s=6.0) < 2
     assert deadline_slack(item(4, 0, deadline_s=10.0), now, remaining_service_s=12.0) < 1
+    # No prediction yet (a mean of 0): any deadline is far away, not a division by zero.
+    assert deadline_slack(item(5, 0, deadline_s=10.0), now, remaining_service_s=0.0) > 2
 
 
 def test_a_resumed_request_carries_its_output_and_has_that_much_less_to_go() -> None:
