@@ -41,8 +41,9 @@ def preemption_victims(
     its deadline ÷ predicted remaining time, inf without a deadline) a request may be stopped
     when it could wait as long as it has left to run and still finish in time (slack > 2), or
     when it is predicted to miss its deadline anyway (slack < 1: more likely than not to miss,
-    so stopping it costs its caller little); it is kept in between. The lowest priority first; in a level,
-    the ones predicted to miss first, then the least progressed (least work thrown away)."""
+    so stopping it costs its caller little); it is kept in between. The lowest priority first;
+    in a level, the ones predicted to miss first, then the least progressed (least work thrown
+    away)."""
     candidates = []
     for it in running:
         if it.priority >= top or not it.sampling.resumable:
