@@ -163,9 +163,7 @@ class EngineWorker:
                 retry_after_ms=self.retry_after_ms(),
             )
         if status == PushStatus.CLOSED:
-            raise RequestError(
-                ErrorKind.UNAVAILABLE, "the server is shutting down; retry on another replica"
-            )
+            raise RequestError(ErrorKind.UNAVAILABLE, "shutting down; retry on another replica")
         raise RequestError(ErrorKind.INVALID, f"request rejected by the queue ({cost} tokens)")
 
     def cancel(self, handle: int) -> None:

@@ -1,10 +1,11 @@
 """Server assembly and lifecycle: gRPC aio server, health, reflection, engine start, drain.
 
 Lifecycle: the gRPC port opens first with health NOT_SERVING (calls get UNAVAILABLE) while the
-engine loads; then health turns SERVING. On SIGTERM/SIGINT: health NOT_SERVING, new calls
-UNAVAILABLE, the queue closes (queued and running requests still finish), and the process exits
-0 once in-flight calls are done or the grace period ends. If the engine fails, in-flight calls
-end UNAVAILABLE and the process exits 1 for its supervisor to restart it.
+engine loads; then health turns SERVING. On SIGTERM: health NOT_SERVING at once, new calls still
+served while they keep coming (the accept window, while balancers notice), then UNAVAILABLE; the
+queue closes (queued and running requests still finish), and the process exits 0 once in-flight
+calls are done or the grace period ends. SIGINT: the same without the window. If the engine
+fails, in-flight calls end UNAVAILABLE and the process exits 1 for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class StreambatchServer:
         self._draining = False
         self._drain_task: asyncio.Future[None] | None = None
         self._window_closed = asyncio.Event()  # set: a drain's accept window must end now
+        self._window_open = False
 
     async def start(self, *, engine: Engine | None = None) -> None:
         """Open the port, then load the engine (off the loop) and turn SERVING."""
@@ -217,6 +219,11 @@ class StreambatchServer:
         # the heap and stops the engine thread with the rest (the GIL).
         gc.collect()
         gc.freeze()
+        if self._draining:  # a signal came while the engine loaded: never serve, stop it
+            log.info("stopping: a signal came while the engine loaded")
+            self.worker.close()
+            self.worker.shutdown_engine()
+            return
         self.worker.start()
         self.servicer.serving = self.servicer.accepting = True
         for name in ("", SERVICE_NAME):
@@ -279,7 +286,7 @@ class StreambatchServer:
 
     def _start_drain(self, accept_window: bool = True) -> None:
         if self._draining:  # a second signal or an engine failure: no more new calls
-            if not self._window_closed.is_set():
+            if self._window_open:
                 log.info("draining: the accept window ends early")
             self._window_closed.set()
             return
@@ -300,7 +307,11 @@ class StreambatchServer:
                 log.info("draining: health NOT_SERVING; serving new calls until none arrives "
                          "for %.1f s (at most %.1f s)",
                          self.settings.drain_quiet_s, self.settings.drain_accept_s)  # fmt: skip
-                await self._accept_until_quiet(self.servicer)
+                self._window_open = True
+                try:
+                    await self._accept_until_quiet(self.servicer)
+                finally:
+                    self._window_open = False
             log.info("draining: refusing new calls, %d in flight", self.servicer.in_flight)
             self.servicer.accepting = False
             self.worker.close()

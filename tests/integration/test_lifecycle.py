@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -26,6 +28,13 @@ from integration.helpers import (
 pytestmark = pytest.mark.engine
 
 
+def drain_quietly(call: Any) -> None:
+    """Read a stream to its end; its cancellation is expected."""
+    with contextlib.suppress(grpc.RpcError):
+        for _ in call:
+            pass
+
+
 def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # live_server is idle during this test; the second engine gets the CPU to itself.
     port = free_port()
@@ -33,8 +42,9 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
     log = tmp_path / "server.log"
     # vLLM's own spellings: a bare boolean, and an engine flag streambatch does not define.
     # A 3 s quiet period: the first late call below arrives well inside it on a loaded machine.
+    # One slot more than the 3 streams, the held call and a late call need.
     proc = spawn_server(port, log, "--enforce-eager", "--long-prefill-token-threshold", "512",
-                        "--drain-quiet-s", "3")  # fmt: skip
+                        "--drain-quiet-s", "3", "--max-num-seqs", "6")  # fmt: skip
     try:
         channel = grpc.insecure_channel(target, options=POLLING)
         seen_not_serving = wait_serving(channel, proc, log)
@@ -45,13 +55,16 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         streams = [
             threading.Thread(
                 target=lambda i=i: results.append(
-                    # Long enough to be in flight through the checks below (about 7 s) at any
-                    # engine speed.
-                    run_stream(s, request(f"Story {i}", max_tokens=800, ignore_eos=True))
+                    run_stream(s, request(f"Story {i}", max_tokens=300, ignore_eos=True))
                 )
             )
             for i in range(3)
         ]
+        # A call near the context limit holds the drain open through the checks below at any
+        # engine speed; cancelled once they are done.
+        held = s.Generate(request("Hold the port", max_tokens=1900, ignore_eos=True), timeout=300)
+        holder = threading.Thread(target=drain_quietly, args=(held,), daemon=True)
+        holder.start()
         for t in streams:
             t.start()
         time.sleep(1.0)  # the streams are in flight
@@ -67,14 +80,15 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(live_server, tmp_path) 
         late = run_stream(s, request("call while balancers notice", max_tokens=4))
         assert late.code == grpc.StatusCode.OK, late.details
         time.sleep(3 + 1.5)
-        assert all(t.is_alive() for t in streams), "the held streams ended: the port is closed"
+        assert holder.is_alive(), "the held call ended: the port may be closed"
         refused = run_stream(s, request("call after the window", max_tokens=4))
         assert refused.code == grpc.StatusCode.UNAVAILABLE, refused.details
         assert "draining" in refused.details
+        held.cancel()
         for t in streams:
             t.join(120)
         assert [r.code for r in results] == [grpc.StatusCode.OK] * 3, [r.details for r in results]
-        assert all(r.last.usage.completion_tokens == 800 for r in results)
+        assert all(r.last.usage.completion_tokens == 300 for r in results)
         assert proc.wait(120) == 0
     finally:
         stop(proc)
