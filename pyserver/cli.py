@@ -71,7 +71,10 @@ def _bool(text: str | bool) -> bool:
 
 
 def _seconds(text: str | float) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not 0 <= value < math.inf:  # also NaN
         raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
     return value

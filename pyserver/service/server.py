@@ -116,7 +116,6 @@ class StreambatchServer:
         self._draining = False
         self._drain_task: asyncio.Future[None] | None = None
         self._window_closed = asyncio.Event()  # set: a drain's accept window must end now
-        self._window_open = False
 
     async def start(self, *, engine: Engine | None = None) -> None:
         """Open the port, then load the engine (off the loop) and turn SERVING."""
@@ -286,7 +285,7 @@ class StreambatchServer:
 
     def _start_drain(self, accept_window: bool = True) -> None:
         if self._draining:  # a second signal or an engine failure: no more new calls
-            if self._window_open:
+            if self.servicer is not None and self.servicer.accepting:  # the window is open
                 log.info("draining: the accept window ends early")
             self._window_closed.set()
             return
@@ -307,11 +306,7 @@ class StreambatchServer:
                 log.info("draining: health NOT_SERVING; serving new calls until none arrives "
                          "for %.1f s (at most %.1f s)",
                          self.settings.drain_quiet_s, self.settings.drain_accept_s)  # fmt: skip
-                self._window_open = True
-                try:
-                    await self._accept_until_quiet(self.servicer)
-                finally:
-                    self._window_open = False
+                await self._accept_until_quiet(self.servicer)
             log.info("draining: refusing new calls, %d in flight", self.servicer.in_flight)
             self.servicer.accepting = False
             self.worker.close()
