@@ -1,7 +1,8 @@
 """Overload that serves more: goodput against offered load, streambatch against vLLM's own
 priority scheduler, on open-loop traces drawn from a seed.
 
-Targets, one at a time on loopback, each started once and torn down as a process group:
+Targets, on loopback, all started at the beginning (each its own process group, torn down as
+one at the end) and run one at a time, the others idle:
   streambatch         `streambatch serve` with its defaults (the flags a user gets). Its
                       deadline admission runs in shadow mode by default: it predicts and
                       counts each refusal it would make but serves the call, so this run
@@ -14,9 +15,11 @@ Targets, one at a time on loopback, each started once and torn down as a process
   streambatch+--flag=value
                       a streambatch variant with extra flags (a tuned profile; A/B runs)
 
-Per target: capacity first (closed loop at max-num-seqs streams over the trace's call mix, its
-own requests/s and output tok/s while every stream is busy); then for each seed and load L in
---loads the seed's trace at L x streambatch's capacity (the same arrivals for every target). A
+Capacity first, per target in turn (closed loop at max-num-seqs streams over the trace's call
+mix, its own requests/s and output tok/s while every stream is busy); then for each seed and load
+L in --loads the seed's trace at L x streambatch's capacity (the same arrivals for every target),
+run on every target one after another in an order shuffled per point (interleaved: the host's
+drift over the run falls on every target alike; `ran` in each summary says its position). A
 trace: Poisson arrivals plus bursts of high-priority calls; two classes (high: priority 1,
 `--high-share`; low: 0) each with a TTFT SLO; prompt lengths lognormal over 10-1,500 tokens;
 max_tokens lognormal over 16-512 with EOS allowed (greedy, so both servers see the same natural
@@ -165,6 +168,7 @@ class Outcome:
     predicted_s: float = 0.0  # streambatch's predicted total at submit
     sent_at: float = 0.0  # time.perf_counter() when the call was sent
     max_tokens: int = 0
+    preemptions: int = 0  # streambatch, finished calls: times priority preemption stopped it
 
 
 def _reason(code: str, details: str) -> str:
@@ -195,6 +199,7 @@ async def _streambatch_call(stub: Any, call: Call, cap_s: float) -> Outcome:
             out.tokens += len(msg.token_ids)
             if msg.HasField("timings"):
                 out.predicted_s = msg.timings.predicted_total_ms / 1e3
+                out.preemptions = msg.timings.preemptions
         out.total_s = time.perf_counter() - start
 
     try:
@@ -311,19 +316,36 @@ class Target:
         if self.group is not None:
             self.group.stop()
 
-    def refusal_predictions(self) -> dict[str, float]:
-        """streambatch's count of calls its deadline admission flagged (shadow mode: served
-        anyway), by how they ended: the refusal rule judged on every flagged call, also those
-        that missed and so never showed the flag to their client."""
+    def cpu_seconds(self) -> float:
+        return self.group.cpu_seconds() if self.group is not None else 0.0
+
+    def counters(self) -> dict[str, float]:
+        """streambatch's counters a point is judged by beside its calls: the calls its deadline
+        admission flagged (shadow mode: served anyway) by how they ended (`refusal_finished`,
+        `refusal_missed`), the refusal rule judged on every flagged call, also those that
+        missed and so never showed the flag to their client; and where the engine's time went:
+        priority preemptions (each one re-prefills the stopped request when it resumes),
+        prompt tokens admitted (a resumed request's counted again, with its output so far),
+        tokens generated, engine steps, their seconds and sequences, decode skips."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
-        counts = {"finished": 0.0, "missed": 0.0}
+        wanted = {
+            "streambatch_preemptions_total": "preemptions",
+            "streambatch_prompt_tokens_total": "prompt_tokens",
+            "streambatch_generated_tokens_total": "generated_tokens",
+            "streambatch_decode_skips_total": "decode_skips",
+            "streambatch_engine_step_seconds_count": "steps",
+            "streambatch_engine_step_seconds_sum": "step_seconds",
+            "streambatch_batch_size_sum": "step_sequences",
+        }
+        counts = dict.fromkeys(["refusal_finished", "refusal_missed", *wanted.values()], 0.0)
         for family in text_string_to_metric_families(text):
-            if family.name == "streambatch_refusal_predictions":
-                for s in family.samples:
-                    if s.name.endswith("_total"):
-                        counts[s.labels["outcome"]] = s.value
+            for s in family.samples:
+                if family.name == "streambatch_refusal_predictions" and s.name.endswith("_total"):
+                    counts["refusal_" + s.labels["outcome"]] = s.value
+                elif s.name in wanted and s.labels.get("kind", "priority") == "priority":
+                    counts[wanted[s.name]] = s.value
         return counts
 
     async def run(self, calls: list[Call], label: str, closed_loop: int = 0) -> list[Outcome]:
@@ -526,35 +548,68 @@ async def capacity(target: Target, args: argparse.Namespace) -> dict[str, float]
     }
 
 
-def run_target(
-    name: str, args: argparse.Namespace, rate_of: dict[float, float] | None
-) -> dict[str, Any]:
-    target = Target(name, args)
-    print(f"starting {name} ...", file=sys.stderr)
-    target.start()
+def run_point(target: Target, calls: list[Call], label: str, args: argparse.Namespace) -> Any:
+    """One target through one trace: the summary and every call."""
+    shadow = target.name == "streambatch"  # deadline admission in shadow mode by default
+    ours = target.name.startswith("streambatch")
+    before = target.counters() if ours else {}
+    start = time.monotonic()
+    out = asyncio.run(target.run(calls, label))
+    wall = time.monotonic() - start
+    summary = summarize(out, args.duration, args, wall)
+    if ours:
+        time.sleep(1.0)  # the server settles a call a step after its client left
+        after = target.counters()
+        summary["server"] = {
+            k: round(after[k] - before[k], 3) for k in after if not k.startswith("refusal_")
+        }
+        if shadow:
+            summary["refusal_predictions"] = {
+                k: after[f"refusal_{k}"] - before[f"refusal_{k}"] for k in ("finished", "missed")
+            }
+    print(f"{label}: {summary}", file=sys.stderr)
+    return {"summary": summary, "outcomes": out}
+
+
+def run_targets(
+    names: list[str], args: argparse.Namespace, rate_of: dict[float, float] | None
+) -> dict[str, dict[str, Any]]:
+    """Every target started at once (each in its own process group, idle while another runs),
+    capacities measured in turn, then each point of the trace on every target one after another
+    in an order shuffled per point: a host that slows down over the half hour slows every
+    target alike instead of the one that happened to run then."""
+    targets = [Target(name, args) for name in names]
     try:
-        cap = asyncio.run(capacity(target, args))
-        print(f"{name} capacity: {cap}", file=sys.stderr)
-        rates = rate_of or {load: load * cap["req_s"] for load in args.loads}
-        points: dict[str, Any] = {}
+        for t in targets:
+            print(f"starting {t.name} ...", file=sys.stderr)
+            t.start()
+        results: dict[str, dict[str, Any]] = {}
+        for t in targets:
+            cap = asyncio.run(capacity(t, args))
+            print(f"{t.name} capacity: {cap}", file=sys.stderr)
+            rates = rate_of or {load: load * cap["req_s"] for load in args.loads}
+            rate_of = rates
+            results[t.name] = {"capacity": cap, "rates": rates, "points": {}, "setup": t.setup}
+        assert rate_of is not None
+        order = random.Random(args.order_seed)
         for seed in args.seeds:
             for load in args.loads:
-                calls = build_trace(seed, rates[load], args.duration, args)
-                shadow = name == "streambatch"  # deadline admission in shadow mode by default
-                before = target.refusal_predictions() if shadow else {}
-                start = time.monotonic()
-                out = asyncio.run(target.run(calls, f"{name} seed {seed} load {load}x"))
-                wall = time.monotonic() - start
-                summary = summarize(out, args.duration, args, wall)
-                if shadow:
-                    time.sleep(1.0)  # the server settles a call a step after its client left
-                    after = target.refusal_predictions()
-                    summary["refusal_predictions"] = {k: after[k] - before[k] for k in after}
-                print(f"{name} seed {seed} load {load}x: {summary}", file=sys.stderr)
-                points[f"{seed}/{load}"] = {"summary": summary, "outcomes": out}
-        return {"capacity": cap, "rates": rates, "points": points, "setup": target.setup}
+                calls = build_trace(seed, rate_of[load], args.duration, args)
+                for position, t in enumerate(order.sample(targets, len(targets))):
+                    idle = [x for x in targets if x is not t]
+                    cpu = [x.cpu_seconds() for x in idle]
+                    point = run_point(t, calls, f"{t.name} seed {seed} load {load}x", args)
+                    point["summary"]["ran"] = position  # 0: first of the targets at this point
+                    # What the idle targets took from this one's run (their pollers, loggers).
+                    used = [round(x.cpu_seconds() - c, 2) for x, c in zip(idle, cpu, strict=True)]
+                    point["summary"]["idle_targets_cpu_s"] = {
+                        x.name: u for x, u in zip(idle, used, strict=True)
+                    }
+                    results[t.name]["points"][f"{seed}/{load}"] = point
+        return results
     finally:
-        target.stop()
+        for t in targets:
+            t.stop()
 
 
 def plot(runs: list[dict[str, Any]], targets: list[str], path: Path) -> None:
@@ -588,6 +643,7 @@ def main() -> None:
     )
     p.add_argument("--targets", default="streambatch,vllm,streambatch_refusing")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
+    p.add_argument("--order-seed", type=int, default=0, help="shuffles the targets per point")
     p.add_argument("--high-share", type=float, default=0.2)
     p.add_argument("--burst-share", type=float, default=0.1, help="of the rate, in high bursts")
     p.add_argument("--burst-size", type=int, default=5)
@@ -642,13 +698,11 @@ def main() -> None:
     if args.report_from:
         rejudge(args)
         return
-    results: dict[str, dict[str, Any]] = {}
     rate_of: dict[float, float] | None = None
     if args.capacity_req_s:  # A/B runs on one host: the same traces as an earlier run
         rate_of = {load: load * args.capacity_req_s for load in args.loads}
-    for name in targets:
-        results[name] = run_target(name, args, rate_of)
-        rate_of = results[name]["rates"]
+    results = run_targets(targets, args, rate_of)
+    rate_of = results["streambatch"]["rates"]
     # Kept before the report is built, so a failure there loses no measurement.
     with open(args.out.with_name(args.out.stem + "-raw.pickle"), "wb") as f:
         pickle.dump({"results": results, "targets": targets}, f)
