@@ -18,8 +18,9 @@ one at the end) and run one at a time, the others idle:
 Capacity first, per target in turn (closed loop at max-num-seqs streams over the trace's call
 mix, its own requests/s and output tok/s while every stream is busy); then for each seed and load
 L in --loads the seed's trace at L x streambatch's capacity (the same arrivals for every target),
-run on every target one after another in an order shuffled per point (interleaved: the host's
-drift over the run falls on every target alike; `ran` in each summary says its position). A
+run on every target one after another, the order rotated per point (interleaved: the host's
+drift over the run falls on every target alike; `ran` in each summary says its position, and
+each starts once the previous server has no request left). A
 trace: Poisson arrivals plus bursts of high-priority calls; two classes (high: priority 1,
 `--high-share`; low: 0) each with a TTFT SLO; prompt lengths lognormal over 10-1,500 tokens;
 max_tokens lognormal over 16-512 with EOS allowed (greedy, so both servers see the same natural
@@ -252,6 +253,35 @@ async def _vllm_call(client: httpx.AsyncClient, call: Call, cap_s: float) -> Out
     return out
 
 
+# The servers' counters read around each point, by sample name (vLLM's: one engine, its samples
+# summed over their labels). Not like for like across servers: streambatch counts a prompt at
+# every admission (a request resumed after a priority preemption again, with its output so
+# far), vLLM once, at its first token (its own recompute after a preemption not again).
+_COUNTERS = {
+    "streambatch_prompt_tokens_total": "prompt_tokens",
+    "streambatch_generated_tokens_total": "generated_tokens",
+    "streambatch_decode_skips_total": "decode_skips",
+    "streambatch_engine_step_seconds_count": "steps",
+    "streambatch_engine_step_seconds_sum": "step_seconds",
+    "streambatch_batch_size_sum": "step_sequences",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:prompt_tokens_cached_total": "cached_prompt_tokens",
+    "vllm:generation_tokens_total": "generated_tokens",
+    "vllm:num_preemptions_total": "engine_preemptions",
+}
+# What each kind of target must report: a renamed metric fails the point loudly.
+_EXPECTED = {
+    "streambatch": {"prompt_tokens", "generated_tokens", "steps", "step_seconds", "preemptions"},
+    "vllm": {"prompt_tokens", "generated_tokens", "cached_prompt_tokens", "engine_preemptions"},
+}
+_BUSY = {
+    "streambatch_running_requests",
+    "streambatch_waiting_requests",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+}
+
+
 class Target:
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         self.name = name
@@ -320,33 +350,49 @@ class Target:
         return self.group.cpu_seconds() if self.group is not None else 0.0
 
     def counters(self) -> dict[str, float]:
-        """streambatch's counters a point is judged by beside its calls: the calls its deadline
-        admission flagged (shadow mode: served anyway) by how they ended (`refusal_finished`,
-        `refusal_missed`), the refusal rule judged on every flagged call, also those that
-        missed and so never showed the flag to their client; and where the engine's time went:
-        priority preemptions (each one re-prefills the stopped request when it resumes),
-        prompt tokens admitted (a resumed request's counted again, with its output so far),
-        tokens generated, engine steps, their seconds and sequences, decode skips."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
-        wanted = {
-            "streambatch_preemptions_total": "preemptions",
-            "streambatch_prompt_tokens_total": "prompt_tokens",
-            "streambatch_generated_tokens_total": "generated_tokens",
-            "streambatch_decode_skips_total": "decode_skips",
-            "streambatch_engine_step_seconds_count": "steps",
-            "streambatch_engine_step_seconds_sum": "step_seconds",
-            "streambatch_batch_size_sum": "step_sequences",
-        }
-        counts = dict.fromkeys(["refusal_finished", "refusal_missed", *wanted.values()], 0.0)
-        for family in text_string_to_metric_families(text):
+        """The server's own counters (`_COUNTERS`), read before and after each point: where the
+        engine's time went. streambatch's also give its priority preemptions (each one
+        re-prefills the stopped request when it resumes) and the calls its deadline admission
+        flagged (shadow mode: served anyway) by how they ended (`refusal_finished`,
+        `refusal_missed`): the refusal rule judged on every flagged call, also those that
+        missed and so never showed the flag to their client."""
+        ours = self.name.startswith("streambatch")
+        counts: dict[str, float] = {}
+        if ours:
+            counts = dict.fromkeys(["refusal_finished", "refusal_missed", "preemptions"], 0.0)
+        for family in self._metrics():
             for s in family.samples:
                 if family.name == "streambatch_refusal_predictions" and s.name.endswith("_total"):
                     counts["refusal_" + s.labels["outcome"]] = s.value
-                elif s.name in wanted and s.labels.get("kind", "priority") == "priority":
-                    counts[wanted[s.name]] = s.value
+                elif s.name == "streambatch_preemptions_total":
+                    key = "preemptions" if s.labels["kind"] == "priority" else "engine_preemptions"
+                    counts[key] = s.value
+                elif s.name in _COUNTERS:
+                    counts[_COUNTERS[s.name]] = counts.get(_COUNTERS[s.name], 0.0) + s.value
         return counts
+
+    def _metrics(self) -> Any:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        port = self.metrics_port if self.name.startswith("streambatch") else self.port
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return text_string_to_metric_families(text)
+
+    def busy(self) -> float:
+        """Requests the server still runs or queues (its own gauges)."""
+        total = 0.0
+        for family in self._metrics():
+            total += sum(float(s.value) for s in family.samples if s.name in _BUSY)
+        return total
+
+    def wait_idle(self, limit_s: float = 60.0) -> float:
+        """Wait until the server has no request left (a client that gave up is aborted at the
+        server's next step, after the step running then): the next target's point must not
+        share the CPU with this one's tail. Returns the seconds waited."""
+        start = time.monotonic()
+        while time.monotonic() - start < limit_s and self.busy() > 0:
+            time.sleep(0.2)
+        return round(time.monotonic() - start, 2)
 
     async def run(self, calls: list[Call], label: str, closed_loop: int = 0) -> list[Outcome]:
         """Open loop at the calls' send times, or (closed_loop > 0) that many workers taking
@@ -551,22 +597,24 @@ async def capacity(target: Target, args: argparse.Namespace) -> dict[str, float]
 def run_point(target: Target, calls: list[Call], label: str, args: argparse.Namespace) -> Any:
     """One target through one trace: the summary and every call."""
     shadow = target.name == "streambatch"  # deadline admission in shadow mode by default
-    ours = target.name.startswith("streambatch")
-    before = target.counters() if ours else {}
+    before = target.counters()
     start = time.monotonic()
     out = asyncio.run(target.run(calls, label))
     wall = time.monotonic() - start
     summary = summarize(out, args.duration, args, wall)
-    if ours:
-        time.sleep(1.0)  # the server settles a call a step after its client left
-        after = target.counters()
-        summary["server"] = {
-            k: round(after[k] - before[k], 3) for k in after if not k.startswith("refusal_")
+    summary["settle_s"] = target.wait_idle()
+    after = target.counters()
+    missing = _EXPECTED["streambatch" if target.name.startswith("streambatch") else "vllm"]
+    missing = missing - after.keys()
+    if missing:
+        raise RuntimeError(f"{target.name} reports no {sorted(missing)}: a renamed metric?")
+    summary["server"] = {
+        k: round(after[k] - before.get(k, 0.0), 3) for k in after if not k.startswith("refusal_")
+    }
+    if shadow:
+        summary["refusal_predictions"] = {
+            k: after[f"refusal_{k}"] - before[f"refusal_{k}"] for k in ("finished", "missed")
         }
-        if shadow:
-            summary["refusal_predictions"] = {
-                k: after[f"refusal_{k}"] - before[f"refusal_{k}"] for k in ("finished", "missed")
-            }
     print(f"{label}: {summary}", file=sys.stderr)
     return {"summary": summary, "outcomes": out}
 
@@ -575,9 +623,10 @@ def run_targets(
     names: list[str], args: argparse.Namespace, rate_of: dict[float, float] | None
 ) -> dict[str, dict[str, Any]]:
     """Every target started at once (each in its own process group, idle while another runs),
-    capacities measured in turn, then each point of the trace on every target one after another
-    in an order shuffled per point: a host that slows down over the half hour slows every
-    target alike instead of the one that happened to run then."""
+    capacities measured in turn, then each point of the trace on every target one after another,
+    the order rotated per point: a host that slows down over the half hour slows every target
+    alike instead of the one that happened to run then. Each target's point starts once the
+    previous one's server has no request left."""
     targets = [Target(name, args) for name in names]
     try:
         for t in targets:
@@ -586,26 +635,30 @@ def run_targets(
         results: dict[str, dict[str, Any]] = {}
         for t in targets:
             cap = asyncio.run(capacity(t, args))
+            t.wait_idle()
             print(f"{t.name} capacity: {cap}", file=sys.stderr)
             rates = rate_of or {load: load * cap["req_s"] for load in args.loads}
             rate_of = rates
             results[t.name] = {"capacity": cap, "rates": rates, "points": {}, "setup": t.setup}
         assert rate_of is not None
-        order = random.Random(args.order_seed)
-        for seed in args.seeds:
-            for load in args.loads:
-                calls = build_trace(seed, rate_of[load], args.duration, args)
-                for position, t in enumerate(order.sample(targets, len(targets))):
-                    idle = [x for x in targets if x is not t]
-                    cpu = [x.cpu_seconds() for x in idle]
-                    point = run_point(t, calls, f"{t.name} seed {seed} load {load}x", args)
-                    point["summary"]["ran"] = position  # 0: first of the targets at this point
-                    # What the idle targets took from this one's run (their pollers, loggers).
-                    used = [round(x.cpu_seconds() - c, 2) for x, c in zip(idle, cpu, strict=True)]
-                    point["summary"]["idle_targets_cpu_s"] = {
-                        x.name: u for x, u in zip(idle, used, strict=True)
-                    }
-                    results[t.name]["points"][f"{seed}/{load}"] = point
+        # Each target in each position equally often: a base order drawn once, rotated by one
+        # per point (a cyclic Latin square).
+        base = random.Random(args.order_seed).sample(targets, len(targets))
+        points = [(seed, load) for seed in args.seeds for load in args.loads]
+        for index, (seed, load) in enumerate(points):
+            calls = build_trace(seed, rate_of[load], args.duration, args)
+            shift = index % len(base)
+            for position, t in enumerate(base[shift:] + base[:shift]):
+                idle = [x for x in targets if x is not t]
+                cpu = [x.cpu_seconds() for x in idle]
+                point = run_point(t, calls, f"{t.name} seed {seed} load {load}x", args)
+                point["summary"]["ran"] = position  # 0: first of the targets at this point
+                # What the idle targets took from this one's run (their pollers, loggers).
+                used = [round(x.cpu_seconds() - c, 2) for x, c in zip(idle, cpu, strict=True)]
+                point["summary"]["idle_targets_cpu_s"] = {
+                    x.name: u for x, u in zip(idle, used, strict=True)
+                }
+                results[t.name]["points"][f"{seed}/{load}"] = point
         return results
     finally:
         for t in targets:
@@ -643,7 +696,7 @@ def main() -> None:
     )
     p.add_argument("--targets", default="streambatch,vllm,streambatch_refusing")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
-    p.add_argument("--order-seed", type=int, default=0, help="shuffles the targets per point")
+    p.add_argument("--order-seed", type=int, default=0, help="draws the first point's order")
     p.add_argument("--high-share", type=float, default=0.2)
     p.add_argument("--burst-share", type=float, default=0.1, help="of the rate, in high bursts")
     p.add_argument("--burst-size", type=int, default=5)

@@ -112,7 +112,9 @@ class Group:
         and after another target's run, it says what an idle target took from it."""
         tick = os.sysconf("SC_CLK_TCK")
         total = 0
-        for pid in {p.pid for p in members(self.sid)} | set(self._seen):
+        live = {p.pid for p in members(self.sid)}
+        live |= {pid for pid, p in self._seen.items() if alive(p)}  # not a reused pid
+        for pid in live:
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except (FileNotFoundError, ProcessLookupError, PermissionError):

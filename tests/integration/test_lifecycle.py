@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import threading
 import time
 from typing import Any
@@ -106,26 +107,26 @@ def test_an_engine_configuration_vllm_rejects_ends_serve_with_one_line(tmp_path)
 
 def test_sigterm_while_the_engine_loads_stops_without_ever_serving(live_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """An orchestrator may stop a replica it just started: the engine that finishes loading
-    after the signal is shut down, health never turns SERVING, and serve exits 0."""
+    after the signal is shut down instead of serving, and serve exits 0. (Health cannot turn
+    SERVING after the drain began, whatever start() does: the log says what it did.)"""
     port = free_port()
     log = tmp_path / "server.log"
     proc = spawn_server(port, log, "--log-level", "INFO")
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=POLLING)
         # The port opens before the engine loads (health NOT_SERVING), which takes seconds.
+        opens_by = time.monotonic() + 120
         while health_status(channel) != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+            assert time.monotonic() < opens_by, "the port never opened"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        statuses = set()
-        ends_by = time.monotonic() + 300  # the load finishes, then the engine stops
-        while proc.poll() is None:
-            assert time.monotonic() < ends_by, "serve did not exit after SIGTERM during load"
-            statuses.add(health_status(channel))
-            time.sleep(0.1)
+        try:
+            code = proc.wait(300)  # the load finishes, then the engine stops
+        except subprocess.TimeoutExpired:
+            raise AssertionError("serve did not exit after SIGTERM during load") from None
         text = log.read_text(errors="replace")
-        assert proc.returncode == 0, text[-4000:]
-        assert health_pb2.HealthCheckResponse.SERVING not in statuses, text[-4000:]
+        assert code == 0, text[-4000:]
         assert "a signal came while the engine loaded" in text, text[-4000:]
         assert "pyserver.service.server: serving " not in text and "Traceback" not in text, text[
             -4000:
