@@ -269,11 +269,20 @@ _COUNTERS = {
     "vllm:generation_tokens_total": "generated_tokens",
     "vllm:num_preemptions_total": "engine_preemptions",
 }
-# What each kind of target must report: a renamed metric fails the point loudly.
+# The metric families each kind of target must export (checked once it is up, before any
+# measurement): a renamed metric fails the bench at once instead of reading as 0 or as idle.
 _EXPECTED = {
-    "streambatch": {"prompt_tokens", "generated_tokens", "steps", "step_seconds", "preemptions"},
-    "vllm": {"prompt_tokens", "generated_tokens", "cached_prompt_tokens", "engine_preemptions"},
-}
+    "streambatch": {
+        "streambatch_prompt_tokens", "streambatch_generated_tokens",
+        "streambatch_engine_step_seconds", "streambatch_batch_size", "streambatch_decode_skips",
+        "streambatch_preemptions", "streambatch_refusal_predictions",
+        "streambatch_running_requests", "streambatch_waiting_requests",
+    },
+    "vllm": {
+        "vllm:prompt_tokens", "vllm:prompt_tokens_cached", "vllm:generation_tokens",
+        "vllm:num_preemptions", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    },
+}  # fmt: skip
 _BUSY = {
     "streambatch_running_requests",
     "streambatch_waiting_requests",
@@ -378,6 +387,12 @@ class Target:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         return text_string_to_metric_families(text)
 
+    def check_metrics(self) -> None:
+        kind = "streambatch" if self.name.startswith("streambatch") else "vllm"
+        missing = _EXPECTED[kind] - {family.name for family in self._metrics()}
+        if missing:
+            raise RuntimeError(f"{self.name} exports no {sorted(missing)}: a renamed metric?")
+
     def busy(self) -> float:
         """Requests the server still runs or queues (its own gauges)."""
         total = 0.0
@@ -390,7 +405,10 @@ class Target:
         server's next step, after the step running then): the next target's point must not
         share the CPU with this one's tail. Returns the seconds waited."""
         start = time.monotonic()
-        while time.monotonic() - start < limit_s and self.busy() > 0:
+        while self.busy() > 0:
+            if time.monotonic() - start > limit_s:
+                print(f"{self.name} still busy after {limit_s:.0f} s; going on", file=sys.stderr)
+                break
             time.sleep(0.2)
         return round(time.monotonic() - start, 2)
 
@@ -604,10 +622,6 @@ def run_point(target: Target, calls: list[Call], label: str, args: argparse.Name
     summary = summarize(out, args.duration, args, wall)
     summary["settle_s"] = target.wait_idle()
     after = target.counters()
-    missing = _EXPECTED["streambatch" if target.name.startswith("streambatch") else "vllm"]
-    missing = missing - after.keys()
-    if missing:
-        raise RuntimeError(f"{target.name} reports no {sorted(missing)}: a renamed metric?")
     summary["server"] = {
         k: round(after[k] - before.get(k, 0.0), 3) for k in after if not k.startswith("refusal_")
     }
@@ -620,18 +634,23 @@ def run_point(target: Target, calls: list[Call], label: str, args: argparse.Name
 
 
 def run_targets(
-    names: list[str], args: argparse.Namespace, rate_of: dict[float, float] | None
+    names: list[str],
+    args: argparse.Namespace,
+    rate_of: dict[float, float] | None,
+    checkpoint: Path,
 ) -> dict[str, dict[str, Any]]:
     """Every target started at once (each in its own process group, idle while another runs),
     capacities measured in turn, then each point of the trace on every target one after another,
     the order rotated per point: a host that slows down over the half hour slows every target
     alike instead of the one that happened to run then. Each target's point starts once the
-    previous one's server has no request left."""
+    previous one's server has no request left. After every point the results so far go to
+    `checkpoint` (marked partial), so a failure late in the run loses no measurement."""
     targets = [Target(name, args) for name in names]
     try:
         for t in targets:
             print(f"starting {t.name} ...", file=sys.stderr)
             t.start()
+            t.check_metrics()
         results: dict[str, dict[str, Any]] = {}
         for t in targets:
             cap = asyncio.run(capacity(t, args))
@@ -641,8 +660,8 @@ def run_targets(
             rate_of = rates
             results[t.name] = {"capacity": cap, "rates": rates, "points": {}, "setup": t.setup}
         assert rate_of is not None
-        # Each target in each position equally often: a base order drawn once, rotated by one
-        # per point (a cyclic Latin square).
+        # A base order drawn once, rotated by one per point (a cyclic Latin square): each
+        # target in each position as evenly as the number of points allows.
         base = random.Random(args.order_seed).sample(targets, len(targets))
         points = [(seed, load) for seed in args.seeds for load in args.loads]
         for index, (seed, load) in enumerate(points):
@@ -659,6 +678,8 @@ def run_targets(
                     x.name: u for x, u in zip(idle, used, strict=True)
                 }
                 results[t.name]["points"][f"{seed}/{load}"] = point
+                with open(checkpoint, "wb") as f:
+                    pickle.dump({"results": results, "targets": names, "partial": True}, f)
         return results
     finally:
         for t in targets:
@@ -754,10 +775,11 @@ def main() -> None:
     rate_of: dict[float, float] | None = None
     if args.capacity_req_s:  # A/B runs on one host: the same traces as an earlier run
         rate_of = {load: load * args.capacity_req_s for load in args.loads}
-    results = run_targets(targets, args, rate_of)
+    raw = args.out.with_name(args.out.stem + "-raw.pickle")
+    results = run_targets(targets, args, rate_of, raw)
     rate_of = results["streambatch"]["rates"]
     # Kept before the report is built, so a failure there loses no measurement.
-    with open(args.out.with_name(args.out.stem + "-raw.pickle"), "wb") as f:
+    with open(raw, "wb") as f:
         pickle.dump({"results": results, "targets": targets}, f)
     report(results, targets, rate_of, args)
 
