@@ -682,8 +682,15 @@ def run_targets(
                     pickle.dump({"results": results, "targets": names, "partial": True}, f)
         return results
     finally:
+        # Every target is stopped even when one leaves a survivor; the first failure is raised.
+        failures: list[BaseException] = []
         for t in targets:
-            t.stop()
+            try:
+                t.stop()
+            except Exception as exc:  # re-raised below
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
 
 def plot(runs: list[dict[str, Any]], targets: list[str], path: Path) -> None:

@@ -109,6 +109,7 @@ def test_sigterm_while_the_engine_loads_stops_without_ever_serving(live_server, 
     """An orchestrator may stop a replica it just started: the engine that finishes loading
     after the signal is shut down instead of serving, and serve exits 0. (Health cannot turn
     SERVING after the drain began, whatever start() does: the log says what it did.)"""
+    # live_server: the session's engine has loaded and idles, so this one loads alone.
     port = free_port()
     log = tmp_path / "server.log"
     proc = spawn_server(port, log, "--log-level", "INFO")
