@@ -475,7 +475,7 @@ def _free_port() -> int:
 
 
 def ttft_slo_s(priority: int, args: argparse.Namespace) -> float:
-    return args.high_ttft_slo_s if priority == 1 else args.low_ttft_slo_s
+    return float(args.high_ttft_slo_s if priority == 1 else args.low_ttft_slo_s)
 
 
 def in_deadline(o: Outcome) -> bool:
