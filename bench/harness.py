@@ -28,6 +28,7 @@ class Proc:
     sid: int
     state: str
     start: int  # clock ticks since boot: tells a live pid from a reused one
+    cpu_ticks: int = 0  # user + system time so far, every thread
 
 
 def _read(pid: int) -> Proc | None:
@@ -37,7 +38,8 @@ def _read(pid: int) -> Proc | None:
         return None
     # The command name is in parentheses and may hold spaces: split after the last ')'.
     fields = raw[raw.rindex(")") + 2 :].split()
-    return Proc(pid, int(fields[1]), int(fields[2]), int(fields[3]), fields[0], int(fields[19]))
+    ids = (int(fields[1]), int(fields[2]), int(fields[3]))
+    return Proc(pid, *ids, fields[0], int(fields[19]), int(fields[11]) + int(fields[12]))
 
 
 def processes() -> list[Proc]:
@@ -110,17 +112,12 @@ class Group:
     def cpu_seconds(self) -> float:
         """CPU time (user + system) the target's live processes have used so far: read before
         and after another target's run, it says what an idle target took from it."""
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
-        live = {p.pid for p in members(self.sid)}
-        live |= {pid for pid, p in self._seen.items() if alive(p)}  # not a reused pid
-        for pid in live:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-            total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
-        return total / tick
+        live = {p.pid: p for p in members(self.sid)}
+        for pid, seen in self._seen.items():
+            now = _read(pid)
+            if pid not in live and now is not None and now.start == seen.start:  # not reused
+                live[pid] = now
+        return sum(p.cpu_ticks for p in live.values()) / os.sysconf("SC_CLK_TCK")
 
     def _signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
