@@ -62,7 +62,7 @@ test-cpp:
 	done
 
 test-py: model
-	$(PY) -m pytest -ra -m "not soak" tests
+	$(PY) -m pytest -ra --durations=15 -m "not soak" tests
 
 # The engine-facing tests again on the previous vLLM release (same torch), put ahead of the
 # venv's vLLM on PYTHONPATH: the supported range is what these two runs cover.
