@@ -261,9 +261,12 @@ async def _vllm_call(client: httpx.AsyncClient, call: Call, cap_s: float) -> Out
 # The servers' counters read around each point, by sample name (vLLM's: one engine, its samples
 # summed over their labels). Not like for like across servers: streambatch counts a prompt at
 # every admission (a request resumed after a priority preemption again, with its output so
-# far), vLLM once, at its first token (its own recompute after a preemption not again).
+# far), vLLM once, at its first token (its own recompute after a preemption not again); both
+# count the prefix cache's hits among them (`cached_prompt_tokens`), so prompt minus cached is
+# the prefill each did.
 _COUNTERS = {
     "streambatch_prompt_tokens_total": "prompt_tokens",
+    "streambatch_prompt_tokens_cached_total": "cached_prompt_tokens",
     "streambatch_generated_tokens_total": "generated_tokens",
     "streambatch_decode_skips_total": "decode_skips",
     "streambatch_engine_step_seconds_count": "steps",
@@ -278,7 +281,8 @@ _COUNTERS = {
 # measurement): a renamed metric fails the bench at once instead of reading as 0 or as idle.
 _EXPECTED = {
     "streambatch": {
-        "streambatch_prompt_tokens", "streambatch_generated_tokens",
+        "streambatch_prompt_tokens", "streambatch_prompt_tokens_cached",
+        "streambatch_generated_tokens",
         "streambatch_engine_step_seconds", "streambatch_batch_size", "streambatch_decode_skips",
         "streambatch_preemptions", "streambatch_refusal_predictions",
         "streambatch_running_requests", "streambatch_waiting_requests",

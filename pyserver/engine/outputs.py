@@ -64,6 +64,8 @@ class StepOutputs:
             served.append(item.span)
             if o.token_ids:
                 decoding.discard(o.handle)
+                if not item.last_token_ns:  # its first token since it entered the engine
+                    m.prompt_tokens_cached.inc(o.cached_tokens)
                 self._observe_tokens(item, len(o.token_ids), now, ctl)
             item.completion_tokens += len(o.token_ids)
             item.output_token_ids.extend(o.token_ids)

@@ -180,6 +180,12 @@ class Metrics:
         self.prompt_tokens = Counter(
             f"{PREFIX}_prompt_tokens", "Prompt tokens admitted", registry=r
         )
+        self.prompt_tokens_cached = Counter(
+            f"{PREFIX}_prompt_tokens_cached",
+            "Of the prompt tokens admitted, those vLLM's prefix cache served instead of "
+            "computing them (a request resumed after a preemption: its earlier output too)",
+            registry=r,
+        )
         self.requests = Counter(
             f"{PREFIX}_requests", "Finished calls by gRPC status", ["method", "code"], registry=r
         )

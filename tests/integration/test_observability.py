@@ -227,3 +227,21 @@ def test_complete_is_counted_ok_not_cancelled(live_server) -> None:  # type: ign
     stub(live_server.target).Complete(request("Hi", max_tokens=2), timeout=60)
     assert count("OK") == ok + 1
     assert count("CANCELLED") == cancelled
+
+
+def test_prefix_cache_hits_are_reported_to_the_caller_and_counted(live_server) -> None:  # type: ignore[no-untyped-def]
+    s = stub(live_server.target)
+    # Several full KV blocks of one prompt, sent twice: the second admission finds them cached.
+    prompt = "Notes: " + " ".join(f"lantern {i} river {i}." for i in range(60)) + " Summarize."
+
+    def cached() -> float:
+        return sample(scrape(live_server.metrics_url), "streambatch_prompt_tokens_cached_total")
+
+    first = list(s.Generate(request(prompt, max_tokens=4), timeout=60))
+    before = cached()
+    second = list(s.Generate(request(prompt, max_tokens=4), timeout=60))
+    after = cached()
+    hits = second[-1].usage.cached_prompt_tokens
+    assert second[-1].usage.prompt_tokens == first[-1].usage.prompt_tokens > 200
+    assert hits >= second[-1].usage.prompt_tokens // 2, (hits, second[-1].usage)
+    assert after - before >= hits, (before, after, hits)
