@@ -383,7 +383,10 @@ class Target:
                 if family.name == "streambatch_refusal_predictions" and s.name.endswith("_total"):
                     counts["refusal_" + s.labels["outcome"]] = s.value
                 elif s.name == "streambatch_preemptions_total":
-                    key = "preemptions" if s.labels["kind"] == "priority" else "engine_preemptions"
+                    kind = s.labels["kind"]  # a kind this bench does not know stays apart
+                    key = {"priority": "preemptions", "engine": "engine_preemptions"}.get(
+                        kind, f"{kind}_preemptions"
+                    )
                     counts[key] = s.value
                 elif s.name in _COUNTERS:
                     counts[_COUNTERS[s.name]] = counts.get(_COUNTERS[s.name], 0.0) + s.value
