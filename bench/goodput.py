@@ -304,6 +304,8 @@ class Target:
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         self.name = name
         self.args = args
+        # streambatch, streambatch_refusing, streambatch+--flag=value: gRPC, its own metrics port
+        self.ours = name.startswith("streambatch")
         self.port = _free_port()
         self.metrics_port = _free_port()
         self.setup: dict[str, Any] = {}
@@ -319,7 +321,7 @@ class Target:
             "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
             "--max-model-len", str(a.max_model_len),
         ]  # fmt: skip
-        if self.name.startswith("streambatch"):
+        if self.ours:
             cmd = [
                 str(Path(sys.executable).with_name("streambatch")), "serve",
                 "--model", a.model, "--port", str(self.port),
@@ -350,7 +352,7 @@ class Target:
 
     def _ready(self) -> bool:
         try:
-            if self.name.startswith("streambatch"):
+            if self.ours:
                 with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
                     resp = health_pb2_grpc.HealthStub(ch).Check(
                         health_pb2.HealthCheckRequest(), timeout=2
@@ -374,9 +376,8 @@ class Target:
         flagged (shadow mode: served anyway) by how they ended (`refusal_finished`,
         `refusal_missed`): the refusal rule judged on every flagged call, also those that
         missed and so never showed the flag to their client."""
-        ours = self.name.startswith("streambatch")
         counts: dict[str, float] = {}
-        if ours:
+        if self.ours:
             counts = dict.fromkeys(["refusal_finished", "refusal_missed", "preemptions"], 0.0)
         for family in self._metrics():
             for s in family.samples:
@@ -395,12 +396,12 @@ class Target:
     def _metrics(self) -> Any:
         from prometheus_client.parser import text_string_to_metric_families
 
-        port = self.metrics_port if self.name.startswith("streambatch") else self.port
+        port = self.metrics_port if self.ours else self.port
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         return text_string_to_metric_families(text)
 
     def check_metrics(self) -> None:
-        kind = "streambatch" if self.name.startswith("streambatch") else "vllm"
+        kind = "streambatch" if self.ours else "vllm"
         missing = _EXPECTED[kind] - {family.name for family in self._metrics()}
         if missing:
             raise RuntimeError(f"{self.name} exports no {sorted(missing)}: a renamed metric?")
@@ -430,7 +431,7 @@ class Target:
         cap = self.args.no_deadline_cap_s
         bar = tqdm(total=len(calls), desc=label, unit="call", file=sys.stderr, leave=False)
         async with contextlib.AsyncExitStack() as stack:
-            if self.name.startswith("streambatch"):
+            if self.ours:
                 ch = await stack.enter_async_context(
                     grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
                 )
