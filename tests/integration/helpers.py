@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,14 +74,21 @@ class StreamResult:
 
 
 def run_stream(
-    s: pb_grpc.GenerationStub, req: pb.GenerateRequest, timeout: float = 120.0
+    s: pb_grpc.GenerationStub,
+    req: pb.GenerateRequest,
+    timeout: float = 120.0,
+    first_message: threading.Event | None = None,
 ) -> StreamResult:
+    """The whole stream; `first_message` is set when its first message arrives (for a test
+    that must act while the call is known to run)."""
     result = StreamResult(sent_at=time.monotonic())
     call = s.Generate(req, timeout=timeout)
     try:
         for msg in call:
             result.messages.append(msg)
             result.text += msg.text
+            if first_message is not None:
+                first_message.set()
     except grpc.RpcError as err:
         result.code, result.details = err.code(), err.details() or ""
         result.trailers = {k: v for k, v in (err.trailing_metadata() or ()) if isinstance(v, str)}

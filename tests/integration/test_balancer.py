@@ -19,7 +19,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from streambatch.v1 import generation_pb2 as pb
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 
 from integration.helpers import (
@@ -195,8 +194,11 @@ class Load:
         return [d for d in self.done if d[2] != grpc.StatusCode.OK]
 
 
-def hold_long_call(s: pb_grpc.GenerationStub, out: list[StreamResult]) -> None:
-    out.append(run_stream(s, request("Tell a long story.", max_tokens=48, ignore_eos=True)))
+def hold_long_call(
+    s: pb_grpc.GenerationStub, out: list[StreamResult], streaming: threading.Event
+) -> None:
+    req = request("Tell a long story.", max_tokens=48, ignore_eos=True)
+    out.append(run_stream(s, req, first_message=streaming))
 
 
 # Three replica starts (the module fixture's, counted here) and three drains and reloads under
@@ -212,11 +214,10 @@ def test_rolling_restart_behind_balancer(cluster: Cluster) -> None:
             # intervals: HAProxy must take it out while it still runs, and the call must finish.
             direct = stub(f"127.0.0.1:{cluster.ports[i]}")
             held: list[StreamResult] = []
-            holder = threading.Thread(target=hold_long_call, args=(direct, held))
+            streaming = threading.Event()
+            holder = threading.Thread(target=hold_long_call, args=(direct, held, streaming))
             holder.start()
-            assert wait_until(
-                lambda s=direct: s.GetLoad(pb.GetLoadRequest()).running >= 1, 30, 0.05
-            )
+            assert streaming.wait(30), "the held call never started streaming"
             proc.send_signal(signal.SIGTERM)  # drain: in-flight calls finish, new ones go on
             cluster.wait_state(f"r{i}", "DOWN")
             assert proc.poll() is None, "the replica should still be draining its held call"
