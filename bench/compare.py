@@ -27,9 +27,10 @@ Prefix caching is on for every target (the same flag), as are --max-num-seqs and
 --max-num-batched-tokens (explicit: vLLM's defaults differ between its entry points).
 
 Rounds: every target once per round, the order shuffled per round (seeded); each start serves
-all workloads at the headline concurrency (--concurrency); round 1 also runs the sweep levels
-(fewer requests per level, fresh prompts so no level hits another's cache). Reported: the
-median over rounds with min-max, and the median of the per-round streambatch/target ratios.
+all workloads at the headline concurrency (--concurrency) and the sweep levels (fewer requests
+per level, fresh prompts so no level hits another's cache; every round unless --sweep-rounds
+says fewer). Reported for every level: the median over rounds with min-max, and the median of
+the per-round streambatch/target ratios with their min-max.
 
 Token accounting is bench/load.py's TokenClock for every client (tokens per message from the
 message's own token ids; one gap per token after the first). The OpenAI client asks for
@@ -620,10 +621,13 @@ def aggregate(per_round: list[dict[str, Any]]) -> dict[str, Any]:
 def paired_ratios(sb: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, Any]:
     """streambatch/target tok/s in each round both ran (same round: same noise): the median,
     and the lowest and highest round, so a lead is claimed only where every round shows it."""
+    theirs = {x.get("round"): x for x in other}
     pairs = [
         a["output_tok_s"] / b["output_tok_s"]
-        for a, b in zip(sb, other, strict=False)
-        if a.get("output_tok_s") and b.get("output_tok_s")
+        for a in sb
+        if (b := theirs.get(a.get("round"))) is not None
+        and a.get("output_tok_s")
+        and b.get("output_tok_s")
     ]
     if not pairs:
         return {"streambatch_ratio": None}
@@ -674,25 +678,45 @@ def tables(result: dict[str, Any]) -> str:
                 f"| {fmt(r.get('client_cpu_pct'))} | {r.get('errors') or ''} |"
             )
         if w.get("sweep"):
-            levels = sorted({int(c) for s in w["sweep"].values() for c in s})
-            out.append(
-                f"\nSweep (output tok/s, TTFT p99 ms; c={w['concurrency']} is the median "
-                "above, the other levels one run each):\n"
-            )
-            out.append("| target | " + " | ".join(f"c={c}" for c in levels) + " |")
-            out.append("|---|" + "---|" * len(levels))
-            for t, s in w["sweep"].items():
-                cells = []
-                for c in levels:
-                    p = s.get(str(c), {})
-                    cells.append(
-                        f"{fmt(p.get('output_tok_s'))} / {fmt(p.get('ttft_p99_ms'))}"
-                        if p.get("output_tok_s")
-                        else "-"
-                    )
-                out.append(f"| {t} | " + " | ".join(cells) + " |")
+            out.extend(sweep_tables(w["sweep"]))
         out.append("")
     return "\n".join(out)
+
+
+def sweep_tables(sweep: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Per level: each target's medians over the rounds that ran it, and streambatch ÷ target
+    as the median of per-round ratios (min-max)."""
+    levels = sorted({int(c) for s in sweep.values() for c in s})
+    head = [
+        "| target | " + " | ".join(f"c={c}" for c in levels) + " |",
+        "|---|" + "---|" * len(levels),
+    ]
+    out = ["\nSweep: output tok/s / TTFT p99 ms, medians over the rounds (count in brackets):\n"]
+    out += head
+    for t, s in sweep.items():
+        cells = []
+        for c in levels:
+            p = s.get(str(c), {})
+            ok = p.get("output_tok_s")
+            cells.append(
+                f"{fmt(ok)} / {fmt(p.get('ttft_p99_ms'))} ({p.get('rounds', 0)})" if ok else "-"
+            )
+        out.append(f"| {t} | " + " | ".join(cells) + " |")
+    out += ["\nstreambatch ÷ target by level: median of per-round ratios (min-max):\n", *head]
+    for t, s in sweep.items():
+        if t == "streambatch":
+            continue
+        cells = []
+        for c in levels:
+            p = s.get(str(c), {})
+            r = p.get("streambatch_ratio")
+            cells.append(
+                f"{r:.2f} ({p['streambatch_ratio_min']:.2f}-{p['streambatch_ratio_max']:.2f})"
+                if r is not None
+                else "-"
+            )
+        out.append(f"| {t} | " + " | ".join(cells) + " |")
+    return out
 
 
 def plot(result: dict[str, Any], folder: Path) -> None:
@@ -758,7 +782,7 @@ def parser() -> argparse.ArgumentParser:
         "--sweep",
         type=lambda t: sorted({int(x) for x in t.split(",")}),
         default=[1, 4, 16, 32, 64, 128],
-        help="closed-loop levels for the plots (round 1 only, besides the headline)",
+        help="closed-loop levels for the plots and the sweep tables, besides the headline",
     )
     p.add_argument(
         "--requests",
@@ -773,7 +797,14 @@ def parser() -> argparse.ArgumentParser:
         default=1.0,
         help="sweep: max(this x level, --sweep-min-requests) measured requests per level",
     )
-    p.add_argument("--sweep-min-requests", type=int, default=4)
+    p.add_argument("--sweep-min-requests", type=int, default=8)
+    p.add_argument(
+        "--sweep-rounds",
+        type=int,
+        default=0,
+        help="rounds that also run the sweep levels (0: every round; a level's ratio is then "
+        "a median of paired rounds, like the headline's)",
+    )
     p.add_argument(
         "--sweep-cap",
         type=int,
@@ -835,7 +866,8 @@ def main() -> None:
         s.workloads = tuple(w for w in s.workloads if w in loads)
 
     started = time.monotonic()
-    # raw[target][workload][level] = one summary per round that ran it
+    sweep_rounds = args.sweep_rounds or args.rounds
+    # raw[target][workload][level] = one summary per round that ran it (its "round" says which)
     raw: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
     setups: dict[str, Any] = {}
     plan = []
@@ -849,7 +881,7 @@ def main() -> None:
             bar.set_postfix_str(f"round {r + 1} {spec.name}")
             t0 = time.monotonic()
             try:
-                got, setups[spec.name] = run_target(spec, args, loads, sweep=(r == 0))
+                got, setups[spec.name] = run_target(spec, args, loads, sweep=r < sweep_rounds)
             except SurvivorError:
                 # Not a peer failure: it ends the bench (the next target would share its cores).
                 raise
@@ -859,7 +891,7 @@ def main() -> None:
             for w, levels in got.items():
                 for c, summary in levels.items():
                     raw.setdefault(spec.name, {}).setdefault(w, {}).setdefault(c, []).append(
-                        summary
+                        {**summary, "round": r}
                     )
             head = {w: got[w].get(str(args.concurrency), {}).get("output_tok_s") for w in got}
             tqdm.write(
@@ -874,21 +906,21 @@ def main() -> None:
     for w in loads:
         targets: dict[str, Any] = {}
         sweeps: dict[str, Any] = {}
-        sb_rounds = raw.get("streambatch", {}).get(w, {}).get(c_head, [])
+        sb_levels = raw.get("streambatch", {}).get(w, {})
         for spec in specs:
             levels = raw.get(spec.name, {}).get(w)
             if not levels:
                 continue
-            agg = aggregate(levels.get(c_head, []))
-            agg.update(paired_ratios(sb_rounds, levels.get(c_head, [])))
+            per_level = {}
+            for c in sorted(levels, key=int):
+                per_level[c] = aggregate(levels[c])
+                per_level[c].update(paired_ratios(sb_levels.get(c, []), levels[c]))
+            agg = dict(per_level.get(c_head) or aggregate([]))
             agg["setup"] = setups.get(spec.name, {})
             agg["per_round_output_tok_s"] = [x.get("output_tok_s") for x in levels.get(c_head, [])]
             targets[spec.name] = agg
             if len(levels) > 1:
-                slim = {k: agg[k] for k in _MEDIAN_KEYS if k in agg}
-                sweeps[spec.name] = {
-                    c: (slim if c == c_head else levels[c][0]) for c in sorted(levels, key=int)
-                }
+                sweeps[spec.name] = per_level
         prompt_lens = [len(i.ids) for i in loads[w].headline]
         result["workloads"][w] = {
             "concurrency": args.concurrency,
