@@ -838,6 +838,10 @@ def parser() -> argparse.ArgumentParser:
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill what the defaults leave to the machine: the model folder and the dtype."""
     args.sweep_full = [w for w in args.sweep_full.split(",") if w]
+    if not 0 <= args.sweep_rounds <= args.rounds:
+        raise SystemExit(
+            f"--sweep-rounds must be 0 (every round) to --rounds, got {args.sweep_rounds}"
+        )
     if args.concurrency not in args.sweep:
         args.sweep = sorted({*args.sweep, args.concurrency})
     if not args.model:
