@@ -638,6 +638,31 @@ def paired_ratios(sb: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict
     }
 
 
+def summarize(
+    raw: dict[str, dict[str, list[dict[str, Any]]]], c_head: str, setups: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One workload's report from raw[target][level] = per-round summaries (each tagged with
+    its "round"): per target the headline level's aggregate with its setup, and, for targets
+    that ran more levels, every level's aggregate. Ratios pair rounds with streambatch's."""
+    targets: dict[str, Any] = {}
+    sweeps: dict[str, Any] = {}
+    sb_levels = raw.get("streambatch", {})
+    for name, levels in raw.items():
+        if not levels:
+            continue
+        per_level = {}
+        for c in sorted(levels, key=int):
+            per_level[c] = aggregate(levels[c])
+            per_level[c].update(paired_ratios(sb_levels.get(c, []), levels[c]))
+        head = dict(per_level.get(c_head) or aggregate([]))
+        head["setup"] = setups.get(name, {})
+        head["per_round_output_tok_s"] = [x.get("output_tok_s") for x in levels.get(c_head, [])]
+        targets[name] = head
+        if len(levels) > 1:
+            sweeps[name] = per_level
+    return targets, sweeps
+
+
 def fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -908,23 +933,9 @@ def main() -> None:
     c_head = str(args.concurrency)
     result: dict[str, Any] = {"rounds": args.rounds, "workloads": {}}
     for w in loads:
-        targets: dict[str, Any] = {}
-        sweeps: dict[str, Any] = {}
-        sb_levels = raw.get("streambatch", {}).get(w, {})
-        for spec in specs:
-            levels = raw.get(spec.name, {}).get(w)
-            if not levels:
-                continue
-            per_level = {}
-            for c in sorted(levels, key=int):
-                per_level[c] = aggregate(levels[c])
-                per_level[c].update(paired_ratios(sb_levels.get(c, []), levels[c]))
-            agg = dict(per_level.get(c_head) or aggregate([]))
-            agg["setup"] = setups.get(spec.name, {})
-            agg["per_round_output_tok_s"] = [x.get("output_tok_s") for x in levels.get(c_head, [])]
-            targets[spec.name] = agg
-            if len(levels) > 1:
-                sweeps[spec.name] = per_level
+        targets, sweeps = summarize(
+            {s.name: raw[s.name][w] for s in specs if w in raw.get(s.name, {})}, c_head, setups
+        )
         prompt_lens = [len(i.ids) for i in loads[w].headline]
         result["workloads"][w] = {
             "concurrency": args.concurrency,

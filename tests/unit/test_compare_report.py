@@ -1,0 +1,55 @@
+"""bench/compare.py's report: medians per level and streambatch ÷ target paired by round."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from compare import summarize, sweep_tables
+
+
+def run(round_: int, tok_s: float, ttft_p99_ms: float = 100.0) -> dict[str, Any]:
+    return {"round": round_, "output_tok_s": tok_s, "ttft_p99_ms": ttft_p99_ms, "errors": {}}
+
+
+def test_ratios_pair_the_rounds_both_ran_even_when_a_peer_failed_one() -> None:
+    raw = {
+        "streambatch": {
+            "32": [run(0, 100.0), run(1, 110.0), run(2, 120.0)],
+            "4": [run(0, 40.0), run(1, 44.0), run(2, 42.0)],
+        },
+        # Round 0 failed at start: a headline error entry and no sweep levels for that round.
+        "vllm_openai": {
+            "32": [{"round": 0, "error": "RuntimeError: boom"}, run(1, 100.0), run(2, 100.0)],
+            "4": [run(1, 40.0), run(2, 40.0)],
+        },
+        "offline": {"32": [run(0, 150.0)]},
+    }
+    targets, sweep = summarize(raw, "32", {"vllm_openai": {"argv": ["x"]}})
+    head = targets["vllm_openai"]
+    assert head["rounds"] == 2 and head["output_tok_s"] == 100.0
+    assert head["errors"] == {"RuntimeError: boom": 1}
+    assert head["streambatch_ratio"] == pytest.approx(1.15)
+    assert (head["streambatch_ratio_min"], head["streambatch_ratio_max"]) == (1.1, 1.2)
+    assert head["setup"] == {"argv": ["x"]}
+    # Rounds 1 and 2 paired (44/40, 42/40); by position it would be 40/40 and 44/40.
+    level4 = sweep["vllm_openai"]["4"]
+    assert level4["streambatch_ratio"] == pytest.approx((1.1 + 1.05) / 2)
+    assert "setup" not in sweep["vllm_openai"]["32"]  # the headline's extras stay off the sweep
+    assert "offline" in targets and "offline" not in sweep  # one level: no sweep line
+    assert targets["offline"]["streambatch_ratio"] == 0.667  # round 0 only (rounded)
+
+
+def test_the_sweep_tables_show_medians_with_their_round_count_and_the_ratio_spread() -> None:
+    raw = {
+        "streambatch": {"1": [run(0, 40.0), run(1, 42.0)], "4": [run(0, 120.0), run(1, 130.0)]},
+        "vllm_grpc": {"1": [run(0, 35.0), run(1, 35.0)], "4": [run(0, 120.0), run(1, 100.0)]},
+    }
+    _, sweep = summarize(raw, "4", {})
+    text = "\n".join(sweep_tables(sweep))
+    assert "| streambatch | 41.0 / 100.0 (2) | 125.0 / 100.0 (2) |" in text
+    assert "| vllm_grpc | 1.17 (1.14-1.20) | 1.15 (1.00-1.30) |" in text
