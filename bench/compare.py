@@ -657,6 +657,9 @@ def summarize(
         head = dict(per_level.get(c_head) or aggregate([]))
         head["setup"] = setups.get(name, {})
         head["per_round_output_tok_s"] = [x.get("output_tok_s") for x in levels.get(c_head, [])]
+        # With EOS allowed the tokens generated differ between runs (bf16 results depend on
+        # what shares the batch): a round's tok/s is read beside its token count.
+        head["per_round_output_tokens"] = [x.get("output_tokens") for x in levels.get(c_head, [])]
         targets[name] = head
         if len(levels) > 1:
             sweeps[name] = per_level

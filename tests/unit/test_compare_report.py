@@ -13,7 +13,13 @@ from compare import summarize, sweep_tables
 
 
 def run(round_: int, tok_s: float, ttft_p99_ms: float = 100.0) -> dict[str, Any]:
-    return {"round": round_, "output_tok_s": tok_s, "ttft_p99_ms": ttft_p99_ms, "errors": {}}
+    return {
+        "round": round_,
+        "output_tok_s": tok_s,
+        "ttft_p99_ms": ttft_p99_ms,
+        "output_tokens": 6400,
+        "errors": {},
+    }
 
 
 def test_ratios_pair_the_rounds_both_ran_even_when_a_peer_failed_one() -> None:
@@ -36,6 +42,7 @@ def test_ratios_pair_the_rounds_both_ran_even_when_a_peer_failed_one() -> None:
     assert head["streambatch_ratio"] == pytest.approx(1.15)
     assert (head["streambatch_ratio_min"], head["streambatch_ratio_max"]) == (1.1, 1.2)
     assert head["setup"] == {"argv": ["x"]}
+    assert head["per_round_output_tokens"] == [None, 6400, 6400]
     # Rounds 1 and 2 paired (44/40, 42/40); by position it would be 40/40 and 44/40.
     level4 = sweep["vllm_openai"]["4"]
     assert level4["streambatch_ratio"] == pytest.approx((1.1 + 1.05) / 2)
