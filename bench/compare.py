@@ -80,6 +80,9 @@ from load import (  # noqa: E402
 
 RESULTS = HERE / "results"
 WORKLOADS = ("fixed64", "chat", "shared_prefix")
+# Opt-in (--workloads): many documents in rotation, in arrival order and grouped by document
+# (the same calls; grouped is the order a perfect prefix-aware admission would give).
+EXTRA_WORKLOADS = ("many_docs", "many_docs_grouped")
 # Environment variables that change how a target computes; each target's `setup` lists them.
 RELEVANT_ENV = (
     "VLLM_CPU_OMP_THREADS_BIND",
@@ -281,13 +284,16 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
         "chat", *split(chat), "log-normal prompt (median 30 words) and max_tokens (median 64), EOS"
     )
 
-    doc_rng = random.Random(args.seed + 2)
-    sentences: list[str] = []
-    system = ""
-    while len(tok(system)["input_ids"]) < args.prefix_tokens:
-        a, b, c = (doc_rng.choice(_TOPICS) for _ in range(3))
-        sentences.append(f"Section {len(sentences) + 1}: the {a} near the {b} holds the {c}.")
-        system = "Answer questions about this document.\n\n" + " ".join(sentences)
+    def document(rng: random.Random, tokens: int, title: str = "this document") -> str:
+        sentences: list[str] = []
+        text = ""
+        while len(tok(text)["input_ids"]) < tokens:
+            a, b, c = (rng.choice(_TOPICS) for _ in range(3))
+            sentences.append(f"Section {len(sentences) + 1}: the {a} near the {b} holds the {c}.")
+            text = f"Answer questions about {title}.\n\n" + " ".join(sentences)
+        return text
+
+    system = document(random.Random(args.seed + 2), args.prefix_tokens)
     shared = []
     for i in range(total):
         a, b = pick.choice(_TOPICS), pick.choice(_TOPICS)
@@ -297,6 +303,27 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
         "shared_prefix",
         *split(shared),
         f"one {len(tok(system)['input_ids'])}-token system document, short questions, 64 tokens",
+    )
+    if not set(EXTRA_WORKLOADS) & set(args.workloads.split(",")):
+        return out
+    doc_rng = random.Random(args.seed + 3)
+    docs = [document(doc_rng, args.doc_tokens, f"document {d}") for d in range(args.docs)]
+    picked = [doc_rng.randrange(args.docs) for _ in range(total)]
+    many = []
+    for i, d in enumerate(picked):
+        a, b = pick.choice(_TOPICS), pick.choice(_TOPICS)
+        user = f"Question {i}: what does the document say about the {a} and the {b}?"
+        many.append(item(template(user, docs[d]), 64, True))
+    what = f"{args.docs} documents of ~{args.doc_tokens} tokens as system prompts, 64 tokens"
+    out["many_docs"] = Workload("many_docs", *split(many), f"{what}, documents picked uniformly")
+    warm = args.warmup
+    head, sweep = split(many)
+    order = sorted(range(warm, len(head)), key=lambda i: picked[i])
+    out["many_docs_grouped"] = Workload(
+        "many_docs_grouped",
+        head[:warm] + [head[i] for i in order],
+        sweep,
+        f"{what}, the same calls sent grouped by document",
     )
     return out
 
@@ -314,7 +341,7 @@ class TargetSpec:
     env: dict[str, str | None] = field(default_factory=dict)
     extra: list[str] = field(default_factory=list)
     every_round: bool = True
-    workloads: tuple[str, ...] = WORKLOADS
+    workloads: tuple[str, ...] = WORKLOADS + EXTRA_WORKLOADS
     headline_only: bool = False
 
 
@@ -844,6 +871,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--prefix-tokens", type=int, default=1500, help="shared_prefix document size")
+    p.add_argument("--docs", type=int, default=128, help="many_docs: documents in rotation")
+    p.add_argument("--doc-tokens", type=int, default=1000, help="many_docs: document size")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument(
