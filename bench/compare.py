@@ -23,6 +23,9 @@ Workloads (seeded; chat-templated once with the model's tokenizer; closed loop; 
   fixed64        mixed-length prompts, exactly 64 output tokens (ignore_eos)
   chat           long-tailed (log-normal) prompt and output lengths, EOS allowed
   shared_prefix  one ~1.5k-token document as the system prompt, short questions, 64 tokens
+  many_docs, many_docs_grouped (opt-in)  --docs documents of --doc-tokens as system prompts,
+                 one picked uniformly per call; the same calls in arrival order and grouped
+                 by document (the ceiling of a prefix-aware admission order)
 Prefix caching is on for every target (the same flag), as are --max-num-seqs and
 --max-num-batched-tokens (explicit: vLLM's defaults differ between its entry points).
 
