@@ -668,6 +668,7 @@ def paired_ratios(sb: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict
         "streambatch_ratio": round(float(np.median(pairs)), 3),
         "streambatch_ratio_min": round(min(pairs), 3),
         "streambatch_ratio_max": round(max(pairs), 3),
+        "streambatch_ratio_pairs": len(pairs),  # rounds both ran: "every round" means these
     }
 
 

@@ -41,6 +41,7 @@ def test_ratios_pair_the_rounds_both_ran_even_when_a_peer_failed_one() -> None:
     assert head["errors"] == {"RuntimeError: boom": 1}
     assert head["streambatch_ratio"] == pytest.approx(1.15)
     assert (head["streambatch_ratio_min"], head["streambatch_ratio_max"]) == (1.1, 1.2)
+    assert head["streambatch_ratio_pairs"] == 2
     assert head["setup"] == {"argv": ["x"]}
     assert head["per_round_output_tokens"] == [None, 6400, 6400]
     # Rounds 1 and 2 paired (44/40, 42/40); by position it would be 40/40 and 44/40.
