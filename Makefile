@@ -39,7 +39,8 @@ serve: model
 test: lint proto-check test-cpp test-py test-vllm-previous
 
 # The streambatch.v1 contract (buf.yaml): buf lint, and buf breaking (wire, JSON and generated
-# code) against the proto before its latest change, or against HEAD while it has edits.
+# code) against the proto before its latest change, or against HEAD while it has edits. buf
+# clones only 50 commits deep by default: the depth reaches the base however old it is.
 proto-check: install
 	$(VENV)/bin/buf lint
 	@if git diff --quiet HEAD -- proto; then base="$$(git log -n1 --format=%H -- proto)~1"; \
@@ -47,8 +48,9 @@ proto-check: install
 	 if ! git rev-parse -q --verify "$$base^{commit}" >/dev/null; then \
 	   echo "proto-check: $$base is not in this (shallow) clone; buf breaking against HEAD only" >&2; \
 	   base=HEAD; fi; \
-	 echo "buf breaking against $$base"; \
-	 $(VENV)/bin/buf breaking --against ".git#ref=$$base,subdir=proto"
+	 depth=$$(( $$(git rev-list --count "$$base"..HEAD) + 1 )); \
+	 echo "buf breaking against $$base ($$depth commits back)"; \
+	 $(VENV)/bin/buf breaking --against ".git#ref=$$base,depth=$$depth,subdir=proto"
 
 # The C++ core under ctest: plain, then with ASan+UBSan, then with TSan.
 test-cpp:
