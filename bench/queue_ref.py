@@ -1,15 +1,17 @@
 """Pure-Python reference of the BatchQueue admission policy (csrc/batch_queue.h), heapq-based.
 
 It implements the same order (effective priority with aging, head bucket then nearest buckets,
-arrival order: oldest first, newest first in a level past lifo_after_ns) and the same
-token-budget rule, without the blocking and release-rule machinery; the benchmark measures the
-C++ core against it and the tests check both produce the same order.
+arrival order: oldest first, newest first in a level past lifo_after_ns; preferred requests
+first within their level, the request next in line passed over at most affinity_max_overtakes
+times) and the same token-budget rule, without the blocking and release-rule machinery; the
+benchmark measures the C++ core against it and the tests check both produce the same order.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -21,6 +23,7 @@ class _Entry:
     bucket: int
     enqueued_ns: int
     seq: int
+    overtaken: int = 0
 
 
 class ReferenceQueue:
@@ -30,8 +33,10 @@ class ReferenceQueue:
         bucket_bounds: list[int],
         aging_interval_ns: int = 0,
         lifo_after_ns: int = 0,
+        affinity_max_overtakes: int = 0,
     ) -> None:
         self._lifo_after = lifo_after_ns
+        self._max_overtakes = affinity_max_overtakes
         self._levels = priority_levels
         self._bounds = list(bucket_bounds)
         self._buckets = len(bucket_bounds) + 1
@@ -55,7 +60,9 @@ class ReferenceQueue:
             return e.priority
         return min(top - 1, e.priority + max(0, (now_ns - e.enqueued_ns) // self._aging))
 
-    def pop_batch(self, max_requests: int, max_tokens: int, now_ns: int) -> list[int]:
+    def pop_batch(
+        self, max_requests: int, max_tokens: int, now_ns: int, preferred: Iterable[int] = ()
+    ) -> list[int]:
         lifo = [False] * self._levels
         for i, h in enumerate(self._heaps):
             if h and self._lifo_after and now_ns - h[0][1].enqueued_ns >= self._lifo_after:
@@ -76,6 +83,14 @@ class ReferenceQueue:
         if not live:
             return []
         head_bucket = min((-eff, key, e.bucket) for e, key, eff in (candidate(i) for i in live))[2]
+        wanted = set(preferred) if self._max_overtakes > 0 else set()
+        prefs = sorted(
+            (-self._effective(e, now_ns), e.seq, i, e)
+            for i, h in enumerate(self._heaps)
+            for _, e in h
+            if e.id in wanted
+        )
+        taken: set[int] = set()
         out: list[int] = []
         tokens = 0
         while len(out) < max_requests:
@@ -88,6 +103,26 @@ class ReferenceQueue:
                 key = (-eff, abs(e.bucket - head_bucket), e.bucket, order)
                 if best_key is None or key < best_key:
                     best, best_key = i, key
+            while prefs and prefs[0][3].id in taken:
+                prefs.pop(0)
+            if prefs:
+                neg_eff, _, i, p = prefs[0]
+                passed = candidate(best)[0] if best is not None else None
+                if passed is None or (
+                    best_key is not None
+                    and -neg_eff >= -best_key[0]
+                    and passed.overtaken < self._max_overtakes
+                ):
+                    if tokens + p.cost > max_tokens:
+                        break
+                    tokens += p.cost
+                    if passed is not None:
+                        passed.overtaken += 1
+                    self._heaps[i].remove((p.seq, p))
+                    heapq.heapify(self._heaps[i])
+                    taken.add(p.id)
+                    out.append(p.id)
+                    continue
             if best is None:
                 break
             e, _, _ = candidate(best)
@@ -100,6 +135,7 @@ class ReferenceQueue:
                 heapq.heapify(h)
             else:
                 heapq.heappop(h)  # the oldest: the heap's own order, as before LIFO existed
+            taken.add(e.id)
             out.append(e.id)
         return out
 

@@ -65,6 +65,8 @@ static QueueConfig checked(QueueConfig c) {
   if (c.batch_window_ns < 0 || c.max_wait_ns < 0 || c.aging_interval_ns < 0 ||
       c.lifo_after_ns < 0)
     throw std::invalid_argument("batch_window, max_wait, aging_interval and lifo_after must be >= 0");
+  if (c.affinity_max_overtakes < 0)
+    throw std::invalid_argument("affinity_max_overtakes must be >= 0 (0 = no preference)");
   return c;
 }
 
@@ -306,7 +308,26 @@ Nanos BatchQueue::next_event_locked(Nanos now) const {
   return std::max(next, now);
 }
 
+void BatchQueue::collect_preferred_locked(Nanos now, const std::vector<RequestId>& preferred) {
+  preferred_.clear();
+  if (config_.affinity_max_overtakes <= 0) return;
+  for (const RequestId id : preferred) {
+    const auto it = entries_.find(id);
+    if (it == entries_.end()) continue;
+    const Entry& e = it->second;
+    preferred_.push_back(Preferred{id, e.seq, effective_priority(e.priority, e.enqueued_ns, now)});
+  }
+  std::sort(preferred_.begin(), preferred_.end(), [](const Preferred& a, const Preferred& b) {
+    return a.eff != b.eff ? a.eff > b.eff : a.seq < b.seq;
+  });
+  // A caller naming an id twice gets it once.
+  preferred_.erase(std::unique(preferred_.begin(), preferred_.end(),
+                               [](const Preferred& a, const Preferred& b) { return a.id == b.id; }),
+                   preferred_.end());
+}
+
 void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_t max_tokens,
+                               const std::vector<RequestId>& preferred,
                                std::vector<RequestId>& out) {
   const int levels = config_.priority_levels;
   const int buckets = static_cast<int>(bucket_count_);
@@ -364,6 +385,8 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
   if (head == nullptr) return;
   head_bucket = head->bucket;
   for (auto& k : keys) k.dist = std::abs(k.bucket - head_bucket);
+  collect_preferred_locked(now, preferred);
+  size_t next_preferred = 0;
 
   std::int64_t tokens = 0;
   while (static_cast<std::int64_t>(out.size()) < max_requests) {
@@ -381,6 +404,36 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
       if (better) {
         pick = &k;
         pick_index = i;
+      }
+    }
+    // The best preferred request still waiting goes first, unless the order above outranks it
+    // or the request it would pass over has been passed over affinity_max_overtakes times.
+    while (next_preferred < preferred_.size()) {
+      const auto it = entries_.find(preferred_[next_preferred].id);
+      if (it != entries_.end() && it->second.seq == preferred_[next_preferred].seq) break;
+      ++next_preferred;  // already taken by the order above
+    }
+    if (next_preferred < preferred_.size()) {
+      const Preferred& pref = preferred_[next_preferred];
+      Entry* passed = nullptr;  // the request the order above takes next, if any
+      if (pick != nullptr) {
+        const auto& pq = fifos_[pick_index];
+        passed = &entries_.at((pick->back ? pq.back() : pq.front()).id);
+      }
+      if (passed == nullptr ||
+          (pref.eff >= pick->eff && passed->overtaken < config_.affinity_max_overtakes)) {
+        const Entry e = entries_.at(pref.id);
+        if (tokens + e.cost() > max_tokens) break;
+        tokens += e.cost();
+        if (passed != nullptr) ++passed->overtaken;
+        out.push_back(pref.id);
+        const size_t index =
+            static_cast<size_t>(e.priority) * bucket_count_ + static_cast<size_t>(e.bucket);
+        remove_locked(pref.id, e);  // a tombstone where it stood in its FIFO
+        drop_dead_tails_locked(index);
+        refresh(index);
+        ++next_preferred;
+        continue;
       }
     }
     if (pick == nullptr) break;
@@ -408,7 +461,7 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
 }
 
 PopResult BatchQueue::pop_batch(std::int64_t max_requests, std::int64_t max_tokens,
-                                Nanos timeout_ns) {
+                                Nanos timeout_ns, const std::vector<RequestId>& preferred) {
   PopResult result;
   max_requests = std::min(std::max<std::int64_t>(max_requests, 0), config_.max_batch_requests);
   max_tokens = std::min(std::max<std::int64_t>(max_tokens, 0), config_.max_batch_tokens);
@@ -432,7 +485,7 @@ PopResult BatchQueue::pop_batch(std::int64_t max_requests, std::int64_t max_toke
     }
     ReleaseReason why{};
     if (max_requests > 0 && release_reason_locked(now, max_requests, max_tokens, why)) {
-      select_locked(now, max_requests, max_tokens, result.admitted);
+      select_locked(now, max_requests, max_tokens, preferred, result.admitted);
       if (!result.admitted.empty()) {
         result.reason = why;
         urgent_pending_ = false;

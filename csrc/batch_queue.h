@@ -26,6 +26,11 @@
 //      Facebook's "Fail at Scale"), so under overload the requests that still have their
 //      whole deadline are served while the old ones, likely past what their callers wait
 //      for, give way; requests put back by requeue() still go first.
+// A pop may name preferred requests (the caller's choice: those whose prompt prefix the
+// engine still holds in its prefix cache). A preferred request goes before every other one of
+// its effective priority or lower, oldest first, except that the request the order above
+// would take next is passed over this way at most affinity_max_overtakes times in all, then
+// it goes first (a bounded delay, not starvation); with the limit at 0 nothing is preferred.
 // A FIFO's effective priority is its oldest request's, whichever end is taken from it. The
 // head request is the first by (effective priority, arrival order). A request costs
 // prompt_tokens + max_new_tokens (its KV footprint at the end) against the token budget; the
@@ -87,6 +92,7 @@ struct QueueConfig {
   Nanos max_wait_ns = 50'000'000;           // the seed's 50 ms
   Nanos aging_interval_ns = 0;              // 0: no aging
   Nanos lifo_after_ns = 0;                  // 0: always arrival order (see "Order" above)
+  std::int64_t affinity_max_overtakes = 0;  // preferred requests that may pass one; 0: off
   bool release_on_urgent = true;
 };
 
@@ -148,8 +154,10 @@ class BatchQueue {
 
   // Blocks up to timeout_ns (on this queue's clock) until a release rule fires.
   // max_requests / max_tokens are the caller's room, capped by the configured batch limits.
+  // preferred: waiting requests to take first (see "Order" above); unknown ids are ignored.
   [[nodiscard]] PopResult pop_batch(std::int64_t max_requests, std::int64_t max_tokens,
-                                    Nanos timeout_ns);
+                                    Nanos timeout_ns,
+                                    const std::vector<RequestId>& preferred = {});
 
   // True when id was waiting; it is reported in the next pop's `cancelled`.
   bool cancel(RequestId id);
@@ -172,6 +180,7 @@ class BatchQueue {
     Nanos enqueued_ns;
     Nanos deadline_ns;
     std::uint64_t seq;
+    std::int64_t overtaken = 0;  // preferred requests taken before it while it was next
     [[nodiscard]] std::int64_t cost() const { return prompt_tokens + max_new_tokens; }
   };
   // One FIFO per (priority, bucket). A slot copies what ordering needs so batch selection
@@ -190,6 +199,12 @@ class BatchQueue {
     int bucket = 0;
     std::uint64_t seq = 0;  // order_key of the slot selection would take
     bool back = false;      // that slot is the FIFO's back (LIFO level)
+  };
+  // A preferred request during a selection (scratch, reused across pops).
+  struct Preferred {
+    RequestId id;
+    std::uint64_t seq;
+    int eff;
   };
   struct DeadlineItem {
     Nanos deadline_ns;
@@ -218,7 +233,8 @@ class BatchQueue {
   [[nodiscard]] Nanos next_event_locked(Nanos now) const;
   [[nodiscard]] Nanos oldest_enqueued_locked() const;
   void select_locked(Nanos now, std::int64_t max_requests, std::int64_t max_tokens,
-                     std::vector<RequestId>& out);
+                     const std::vector<RequestId>& preferred, std::vector<RequestId>& out);
+  void collect_preferred_locked(Nanos now, const std::vector<RequestId>& preferred);
 
   const QueueConfig config_;
   const std::shared_ptr<const Clock> clock_;
@@ -235,6 +251,7 @@ class BatchQueue {
   std::vector<RequestId> cancelled_;
   std::vector<HeadKey> head_keys_;
   std::vector<char> lifo_level_;  // scratch of select_locked: level served newest first
+  std::vector<Preferred> preferred_;  // scratch of select_locked, best first
   std::int64_t queued_tokens_ = 0;
   // Arrivals take increasing sequence numbers from the middle of the range, requeued requests
   // decreasing ones below it, so a requeued request sorts before every arrival.

@@ -127,6 +127,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("max_wait_ns", &QueueConfig::max_wait_ns)
       .def_readwrite("aging_interval_ns", &QueueConfig::aging_interval_ns)
       .def_readwrite("lifo_after_ns", &QueueConfig::lifo_after_ns)
+      .def_readwrite("affinity_max_overtakes", &QueueConfig::affinity_max_overtakes)
       .def_readwrite("release_on_urgent", &QueueConfig::release_on_urgent);
 
   py::class_<PopResult>(m, "PopResult")
@@ -178,12 +179,14 @@ PYBIND11_MODULE(_core, m) {
       .def("_push", &reject_push)  // reached only when the arguments are not valid integers
       .def(
           "pop_batch",
-          [](BatchQueue& q, std::int64_t max_requests, std::int64_t max_tokens, double timeout) {
+          [](BatchQueue& q, std::int64_t max_requests, std::int64_t max_tokens, double timeout,
+             const std::vector<RequestId>& preferred) {
             const Nanos timeout_ns = seconds_to_ns(timeout);
             py::gil_scoped_release release;
-            return q.pop_batch(max_requests, max_tokens, timeout_ns);
+            return q.pop_batch(max_requests, max_tokens, timeout_ns, preferred);
           },
-          py::arg("max_requests"), py::arg("max_tokens"), py::arg("timeout") = 0.0)
+          py::arg("max_requests"), py::arg("max_tokens"), py::arg("timeout") = 0.0,
+          py::arg("preferred") = std::vector<RequestId>{})
       .def(
           "requeue",
           [](BatchQueue& q, RequestId id, std::int64_t prompt_tokens, std::int64_t max_new_tokens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 class PushStatus(enum.Enum):
     ACCEPTED = ...
@@ -43,6 +44,7 @@ class QueueConfig:
     max_wait_ns: int
     aging_interval_ns: int
     lifo_after_ns: int
+    affinity_max_overtakes: int
     release_on_urgent: bool
     def __init__(self) -> None: ...
 
@@ -99,8 +101,15 @@ class BatchQueue:
         deadline_ns: int = 0,
     ) -> PushStatus:
         """Never blocks; raises ValueError for invalid values."""
-    def pop_batch(self, max_requests: int, max_tokens: int, timeout: float = 0.0) -> PopResult:
-        """Blocks (GIL released) up to `timeout` seconds until a release rule fires."""
+    def pop_batch(
+        self,
+        max_requests: int,
+        max_tokens: int,
+        timeout: float = 0.0,
+        preferred: Sequence[int] = (),
+    ) -> PopResult:
+        """Blocks (GIL released) up to `timeout` seconds until a release rule fires; the
+        `preferred` waiting requests go first within their level (affinity_max_overtakes)."""
     def requeue(
         self,
         id: int,

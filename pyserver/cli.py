@@ -249,6 +249,14 @@ def _serve_parser(sub: Any) -> None:
         "overload: a priority level whose oldest waiting request has waited this long is "
         "served newest first (adaptive LIFO; 0: always oldest first)",
     )
+    _add(
+        p,
+        "--prefix-affinity",
+        int,
+        8,
+        "queued requests whose prompt the prefix cache most likely still holds go first; the "
+        "request next in line is passed over at most this many times (0: queue order only)",
+    )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
@@ -460,6 +468,7 @@ def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
         max_wait_s=args.max_wait_ms / 1e3,
         aging_interval_s=args.aging_interval_ms / 1e3,
         lifo_after_s=args.lifo_after_ms / 1e3,
+        prefix_affinity=args.prefix_affinity,
         level_capacity=args.level_capacity,
         level_queue_timeout_ms=args.level_queue_timeout_ms,
         reserved_top_slots=args.reserved_top_slots,

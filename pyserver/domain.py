@@ -196,3 +196,4 @@ class WorkItem:
     expected_tokens: float = 0.0  # output tokens the worker expects it to generate
     refusal_predicted: bool = False  # shadow deadline admission would have refused it
     adapter: str = ""  # a LoRA adapter's name; empty: the base model
+    prompt_blocks: list[int] | None = None  # prefix-cache block hashes (the worker's, lazily)

@@ -2,8 +2,9 @@
 
 Each iteration: apply aborts, preempt for waiting top-priority requests, admit from the C++
 BatchQueue what the engine has room for (free sequence slots under the admitted-concurrency
-limit, KV tokens), step the engine once, publish that step's deltas to the event loop in one
-callback, retire finished, expired and cancelled requests. The policies are in
+limit, KV tokens; queued requests with a resident prompt prefix first), step the engine once,
+publish that step's deltas to the event loop in one callback, retire finished, expired and
+cancelled requests. The policies are in
 pyserver.engine.{admission,kv_ledger,deadlines,prefill_hold}; vLLM is reached only through
 pyserver.engine.adapter.
 
@@ -31,6 +32,7 @@ from pyserver.engine.admission import (
     admission_room,
     deadline_slack,
     requeue_for_top_priority,
+    resident_prefix_preference,
     resumed,
 )
 from pyserver.engine.deadlines import DeadlineAdmission, EngineView, queue_expiry
@@ -84,6 +86,7 @@ class EngineWorker:
         self.check_sampling = engine.check  # vLLM's verdict on settings, before any queueing
         shared_block = engine.block_size if engine.prefix_caching else 0  # prefix cache: shared
         self.kv = KvLedger(engine.kv_capacity_tokens, shared_block)
+        self._prefer_resident = queue_config.affinity_max_overtakes > 0 and self.kv.tracks_prefixes
         if controller_knob not in ("concurrency", "step_tokens"):
             raise ValueError(
                 f"controller knob must be concurrency or step_tokens, got {controller_knob!r}"
@@ -178,11 +181,6 @@ class EngineWorker:
         """Requests in the engine now (read from any thread; derived, never a stale copy)."""
         return len(self._running)
 
-    @property
-    def kv_cache_usage(self) -> float:
-        """KV tokens reserved by running requests (prompt + max_tokens) over the capacity."""
-        return self.kv.usage
-
     def engine_kv_usage(self) -> float | None:
         """vLLM's own KV block usage (0..1); None before the engine has reported one."""
         return self._engine.kv_cache_usage()
@@ -248,9 +246,12 @@ class EngineWorker:
         free = self._admission_room()
         timeout = 0.0 if self._running else _IDLE_WAIT_S
         room = self.kv.room
+        preferred: list[int] = []
         if free <= 0 or room <= 0:
             free, room = 0, 0  # still reap expiries and cancellations
-        result = self.queue.pop_batch(free, room, timeout)
+        elif self._prefer_resident and self.queue.size() > 1:
+            preferred = resident_prefix_preference(self._items, self._running, self.kv)
+        result = self.queue.pop_batch(free, room, timeout, preferred)
         if result.expired:  # not per iteration: the loop runs every step and every idle wait
             self._metrics.expiries.labels("queue").inc(len(result.expired))
         out = [
@@ -294,8 +295,7 @@ class EngineWorker:
         return None
 
     def _admission_room(self) -> int:
-        top = self._top_priority
-        reserved = self.reserved_top_slots
+        top, reserved = self._top_priority, self.reserved_top_slots
         return admission_room(
             limit=self.concurrency_limit,
             running=len(self._running),

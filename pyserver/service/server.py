@@ -59,6 +59,7 @@ class ServerSettings:
     max_wait_s: float = 0.0
     aging_interval_s: float = 2.0
     lifo_after_s: float = 1.0  # a level whose oldest waited this long is served newest first
+    prefix_affinity: int = 8  # resident-prefix requests may pass the next in line this often
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption
     reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use
@@ -242,6 +243,7 @@ class StreambatchServer:
             max_wait_s=s.max_wait_s,
             aging_interval_s=s.aging_interval_s,
             lifo_after_s=s.lifo_after_s,
+            affinity_max_overtakes=s.prefix_affinity,
         )
 
     def _limits(self, worker: EngineWorker) -> Limits:
@@ -269,7 +271,7 @@ class StreambatchServer:
         return LoadSnapshot(
             queued_by_priority=[sum(level) for level in stats.depth],
             running=w.running,
-            kv_cache_usage=w.kv_cache_usage,
+            kv_cache_usage=w.kv.usage,
             concurrency_limit=w.concurrency_limit,
             step_token_budget=w.step_token_budget,
             oldest_wait_s=stats.oldest_wait_ns / 1e9,

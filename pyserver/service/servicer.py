@@ -261,7 +261,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.Load(
             queued_by_priority=[sum(level) for level in stats.depth],
             running=self._worker.running,
-            kv_cache_usage=self._worker.kv_cache_usage,
+            kv_cache_usage=self._worker.kv.usage,
             concurrency_limit=self._worker.concurrency_limit,
             step_token_budget=self._worker.step_token_budget,
             serving=self.serving,

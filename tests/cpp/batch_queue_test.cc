@@ -441,3 +441,53 @@ TEST(BatchQueue, MultiProducerStressLosesAndDuplicatesNothing) {
   auto s = q.stats();
   EXPECT_EQ(s.admitted + s.expired + s.cancelled, kProducers * kPerProducer);
 }
+
+TEST(BatchQueue, PreferredGoFirstWithinTheirLevel) {
+  Fixture f;
+  f.config.affinity_max_overtakes = 8;
+  auto q = f.make();
+  push_ok(q, 1, 10, 0);
+  push_ok(q, 2, 10, 0);
+  push_ok(q, 3, 10, 0);
+  push_ok(q, 4, 10, 1);
+  push_ok(q, 5, 10, 0);
+  // Level 1 outranks the preferred ones; among level 0 the preferred go first, oldest first;
+  // an unknown id is ignored.
+  auto r = q.pop_batch(10, 1000, 0, {5, 3, 99});
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{4, 3, 5, 1, 2}));
+  EXPECT_EQ(q.size(), 0);
+}
+
+TEST(BatchQueue, AffinityLimitBoundsTheOvertaking) {
+  Fixture f;
+  f.config.affinity_max_overtakes = 2;
+  auto q = f.make();
+  for (RequestId id = 1; id <= 4; ++id) push_ok(q, id, 10);
+  // Request 1 is next in line; it is passed over twice, across pops, then goes first.
+  EXPECT_EQ(q.pop_batch(1, 1000, 0, {3}).admitted, (std::vector<RequestId>{3}));
+  EXPECT_EQ(q.pop_batch(1, 1000, 0, {4}).admitted, (std::vector<RequestId>{4}));
+  EXPECT_EQ(q.pop_batch(1, 1000, 0, {2}).admitted, (std::vector<RequestId>{1}));
+  EXPECT_EQ(q.pop_batch(1, 1000, 0, {}).admitted, (std::vector<RequestId>{2}));
+}
+
+TEST(BatchQueue, PreferenceNeedsAnOvertakeLimit) {
+  Fixture f;  // affinity_max_overtakes = 0: preferred requests pass nobody
+  auto q = f.make();
+  push_ok(q, 1, 10);
+  push_ok(q, 2, 10);
+  auto r = q.pop_batch(10, 1000, 0, {2});
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 2}));
+}
+
+TEST(BatchQueue, PreferredRequestThatDoesNotFitEndsTheBatch) {
+  Fixture f;
+  f.config.affinity_max_overtakes = 8;
+  auto q = f.make();
+  push_ok(q, 1, 10);
+  push_ok(q, 2, 200);
+  // The preferred request 2 comes first and does not fit: nothing overtakes it.
+  auto r = q.pop_batch(10, 100, 0, {2});
+  EXPECT_TRUE(r.admitted.empty());
+  r = q.pop_batch(10, 1000, 0, {2});
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{2, 1}));
+}

@@ -6,7 +6,14 @@ import math
 import time
 
 from pyserver.domain import Mailbox, Sampling, Structured, WorkItem
-from pyserver.engine.admission import admission_room, deadline_slack, preemption_victims, resumed
+from pyserver.engine.admission import (
+    admission_room,
+    deadline_slack,
+    preemption_victims,
+    resident_prefix_preference,
+    resumed,
+)
+from pyserver.engine.kv_ledger import KvLedger
 
 
 def item(handle: int, priority: int, done: int = 0, deadline_s: float = 0.0) -> WorkItem:
@@ -105,3 +112,52 @@ def test_a_resumed_request_does_not_ask_for_its_prompt_logprobs_again() -> None:
     it.sampling = Sampling(max_tokens=20, prompt_logprobs=2, logprobs=1)
     _, sampling = resumed(it)
     assert sampling.prompt_logprobs is None and sampling.logprobs == 1
+
+
+def test_released_blocks_stay_resident_until_their_room_is_needed() -> None:
+    kv = KvLedger(capacity_tokens=40, block_size=4)  # room for 10 blocks
+    doc_a, doc_b = list(range(100, 112)), list(range(200, 212))  # three blocks each
+    kv.reserve(1, [*doc_a, 1], 3)  # 16 tokens
+    assert kv.resident_tokens(kv.block_hashes([*doc_a, 7])) == 12  # held by request 1
+    kv.release(1)
+    assert kv.resident_tokens(kv.block_hashes(doc_a)) == 12  # released, not yet evicted
+    kv.reserve(2, [*doc_b, 1, 2, 3, 4, 5], 11)  # 28 tokens: 12 left, room for 3 cached blocks
+    assert kv.resident_tokens(kv.block_hashes(doc_a)) == 12
+    kv.reserve(3, [9, 9, 9, 9], 0)  # 8 left: the least recently released block goes first
+    # doc_a's last block is evicted before its head (vLLM frees a prompt tail first).
+    assert kv.resident_tokens(kv.block_hashes(doc_a)) == 8
+    kv.reserve(4, [8, 8, 8, 8], 4)  # nothing left
+    assert kv.resident_tokens(kv.block_hashes(doc_a)) == 0
+    assert kv.resident_tokens(kv.block_hashes(doc_b)) == 12  # held by request 2
+
+
+def test_without_a_prefix_cache_nothing_is_resident() -> None:
+    kv = KvLedger(capacity_tokens=1000, block_size=0)
+    kv.reserve(1, list(range(64)), 8)
+    kv.release(1)
+    assert not kv.tracks_prefixes and kv.block_hashes(list(range(64))) == []
+    assert kv.resident_tokens(kv.block_hashes(list(range(64)))) == 0
+
+
+def _queued(handle: int, prompt: list[int]) -> WorkItem:
+    it = item(handle, 0)
+    it.prompt_token_ids = prompt
+    return it
+
+
+def test_queued_requests_with_a_mostly_resident_prompt_are_preferred() -> None:
+    kv = KvLedger(capacity_tokens=1000, block_size=4)
+    doc = list(range(100, 116))  # four blocks
+    running = {1: _queued(1, [*doc, 1])}
+    kv.reserve(1, running[1].prompt_token_ids, 4)
+    items = {
+        1: running[1],
+        2: _queued(2, [*doc, 2, 3]),  # 16 of 18 tokens resident
+        3: _queued(3, list(range(300, 318))),  # another document: cold
+        4: _queued(4, [*doc[:4], *range(400, 420)]),  # 4 of 24 resident: cold
+        5: _queued(5, [*doc, 5]),
+    }
+    assert resident_prefix_preference(items, running, kv) == [2, 5]
+    # All resident, or none: the queue's own order stands.
+    assert resident_prefix_preference({k: items[k] for k in (1, 2, 5)}, running, kv) == []
+    assert resident_prefix_preference({k: items[k] for k in (3, 4)}, running, kv) == []

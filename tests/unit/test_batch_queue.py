@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 import threading
@@ -160,9 +161,12 @@ def test_bad_timeout_raises_value_error() -> None:
         q.pop_batch(1, 1, timeout=-1.0)
 
 
-@pytest.mark.parametrize(("aging_ms", "lifo_ms"), [(0, 0), (5, 0), (0, 4), (5, 2)])
-def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int) -> None:
-    rng = random.Random(aging_ms + 11 + 100 * lifo_ms)
+@pytest.mark.parametrize(
+    ("aging_ms", "lifo_ms", "overtakes"),
+    [(0, 0, 0), (5, 0, 0), (0, 4, 0), (5, 2, 0), (0, 0, 3), (5, 0, 1), (5, 2, 4)],
+)
+def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int, overtakes: int) -> None:
+    rng = random.Random(aging_ms + 11 + 100 * lifo_ms + 1000 * overtakes)
     bounds = [32, 128, 512]
     clock = ManualClock(1_000 * MS)
     core = BatchQueue(
@@ -171,13 +175,16 @@ def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int) -> None
             bucket_bounds=bounds,
             aging_interval_s=aging_ms / 1e3,
             lifo_after_s=lifo_ms / 1e3,
+            affinity_max_overtakes=overtakes,
             capacity=100_000,
         ),
         clock,
     )
-    ref = ReferenceQueue(3, bounds, aging_ms * MS, lifo_ms * MS)
+    ref = ReferenceQueue(3, bounds, aging_ms * MS, lifo_ms * MS, overtakes)
     next_id = 0
     drained = 0
+    waiting: set[int] = set()
+    overtaken = 0  # pops whose order the preferred requests changed
     for round_ in range(300):
         # Bursts that outrun the pops, then lulls that drain them: levels turn newest-first
         # under a backlog and back to arrival order once it clears.
@@ -185,11 +192,21 @@ def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int) -> None
             prompt, new, prio = rng.randint(1, 1000), rng.randint(1, 64), rng.randint(0, 2)
             assert core.push(next_id, prompt, new, prio) == PushStatus.ACCEPTED
             ref.push(next_id, prompt, new, prio, clock.now_ns())
+            waiting.add(next_id)
             next_id += 1
         clock.advance_ns(rng.randint(0, 3) * MS)
         max_req, max_tok = rng.randint(1, 16), rng.randint(50, 5000)
-        expected = ref.pop_batch(max_req, max_tok, clock.now_ns())
-        assert core.pop_batch(max_req, max_tok).admitted == expected
+        # Some waiting requests preferred (a duplicate and an unknown id among them).
+        preferred = [i for i in sorted(waiting) if rng.random() < 0.2]
+        preferred += [*preferred[:1], next_id + 7]
+        rng.shuffle(preferred)
+        plain = copy.deepcopy(ref).pop_batch(max_req, max_tok, clock.now_ns())
+        expected = ref.pop_batch(max_req, max_tok, clock.now_ns(), preferred)
+        assert core.pop_batch(max_req, max_tok, preferred=preferred).admitted == expected
+        overtaken += expected != plain
+        waiting -= set(expected)
         drained += round_ > 20 and len(ref) == 0
     assert len(core) == len(ref)
     assert drained, "the lulls never cleared the backlog: arrival order after LIFO is untested"
+    # With no overtake limit the preferred requests change nothing.
+    assert overtaken > 10 if overtakes else overtaken == 0
