@@ -1,21 +1,14 @@
-"""How many queued requests may enter the engine, which of them the queue should prefer, and
-which running ones a top-priority request preempts (pure policy over counts and WorkItems; the
-worker applies it)."""
+"""How many queued requests may enter the engine, and which running ones a top-priority
+request preempts (pure policy over counts and WorkItems; the worker applies it)."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Iterable
 
 from pyserver.batching import BatchQueue, PushStatus
 from pyserver.domain import Sampling, WorkItem
-from pyserver.engine.kv_ledger import KvLedger
-
-# Queued requests looked at per admission for prefix residency, oldest first: bounds the cost
-# of a step under a deep backlog (about a microsecond per block looked up).
-PREFERENCE_SCAN = 512
 
 
 def admission_room(
@@ -34,32 +27,6 @@ def admission_room(
     # Top-level requests beyond the reserve also use the shared slots.
     low_room -= max(0, running_top - reserved)
     return min(free, top_take + max(0, low_room))
-
-
-def resident_prefix_preference(
-    items: dict[int, WorkItem], running: dict[int, WorkItem], kv: KvLedger
-) -> list[int]:
-    """The queued requests whose prompt the engine's prefix cache most likely holds at least
-    half of, for the queue to take first (BatchQueue's preferred requests): their prefill is
-    mostly a cache hit, and one taken before its prefix is evicted saves recomputing it. With
-    several documents in rotation and a cache too small for all of them, arrival order
-    interleaves the documents and evicts each before its next request comes (bench/compare.py
-    --workloads many_docs). Empty when none or all of them are resident: the queue's own
-    order then stands. `items` holds every accepted request in arrival order, `running` those
-    in the engine."""
-    warm: list[int] = []
-    cold = False
-    # list(): one atomic copy under the GIL (the event loop adds to the dict).
-    queued = (it for it in list(items.values()) if it.handle not in running)
-    for item in itertools.islice(queued, PREFERENCE_SCAN):
-        if item.prompt_blocks is None:
-            item.prompt_blocks = kv.block_hashes(item.prompt_token_ids)
-        resident = kv.resident_tokens(item.prompt_blocks)
-        if resident and 2 * resident >= len(item.prompt_token_ids):
-            warm.append(item.handle)
-        else:
-            cold = True
-    return warm if cold else []
 
 
 def preemption_victims(

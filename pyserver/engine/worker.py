@@ -1,12 +1,10 @@
 """The engine worker: one thread that owns the engine and runs its step loop.
 
 Each iteration: apply aborts, preempt for waiting top-priority requests, admit from the C++
-BatchQueue what the engine has room for (free sequence slots under the admitted-concurrency
-limit, KV tokens; queued requests with a resident prompt prefix first), step the engine once,
-publish that step's deltas to the event loop in one callback, retire finished, expired and
-cancelled requests. The policies are in
-pyserver.engine.{admission,kv_ledger,deadlines,prefill_hold}; vLLM is reached only through
-pyserver.engine.adapter.
+BatchQueue what the engine has room for (sequence slots, KV tokens, a bounded prefill backlog;
+resident prompt prefixes first), step the engine once, publish that step's deltas to the event
+loop in one callback, retire finished, expired and cancelled requests. The policies are in
+pyserver.engine.{admission,intake,kv_ledger,deadlines,prefill_hold}; vLLM only through .adapter.
 
 Failure policy: an exception from the engine fails every queued and in-flight request with
 UNAVAILABLE, closes the queue and sets `failed`; the server then turns health NOT_SERVING and
@@ -32,10 +30,10 @@ from pyserver.engine.admission import (
     admission_room,
     deadline_slack,
     requeue_for_top_priority,
-    resident_prefix_preference,
     resumed,
 )
 from pyserver.engine.deadlines import DeadlineAdmission, EngineView, queue_expiry
+from pyserver.engine.intake import plan_intake
 from pyserver.engine.kv_ledger import KvLedger
 from pyserver.engine.outputs import StepOutputs
 from pyserver.scheduling import AdaptiveBatchController
@@ -71,6 +69,7 @@ class EngineWorker:
         reserved_top_slots: int = 0,
         deadline_admission: str = "shadow",
         refusal_confidence: float = 0.95,
+        prefill_backlog_steps: int = 0,
     ) -> None:
         self._engine = engine
         self._metrics = metrics or Metrics()
@@ -86,7 +85,7 @@ class EngineWorker:
         self.check_sampling = engine.check  # vLLM's verdict on settings, before any queueing
         shared_block = engine.block_size if engine.prefix_caching else 0  # prefix cache: shared
         self.kv = KvLedger(engine.kv_capacity_tokens, shared_block)
-        self._prefer_resident = queue_config.affinity_max_overtakes > 0 and self.kv.tracks_prefixes
+        self.prefill_backlog_steps = prefill_backlog_steps  # engine steps' worth; 0: no bound
         if controller_knob not in ("concurrency", "step_tokens"):
             raise ValueError(
                 f"controller knob must be concurrency or step_tokens, got {controller_knob!r}"
@@ -243,15 +242,19 @@ class EngineWorker:
         self._deliver([(self._retire(h).mailbox, Delta(error=err)) for h in live])
 
     def _admit(self) -> None:
-        free = self._admission_room()
         timeout = 0.0 if self._running else _IDLE_WAIT_S
         room = self.kv.room
-        preferred: list[int] = []
-        if free <= 0 or room <= 0:
-            free, room = 0, 0  # still reap expiries and cancellations
-        elif self._prefer_resident and self.queue.size() > 1:
-            preferred = resident_prefix_preference(self._items, self._running, self.kv)
-        result = self.queue.pop_batch(free, room, timeout, preferred)
+        intake = plan_intake(
+            self._items,
+            self._running,
+            self.kv,
+            free=self._admission_room() if room > 0 else 0,
+            backlog_tokens=self.prefill_backlog_steps * self._engine.step_token_budget,
+            affinity=self.queue.config.affinity_max_overtakes > 0,
+            top=self._top_priority,
+        )
+        # With no room the pop still reaps expiries and cancellations.
+        result = self.queue.pop_batch(intake.max_requests, room, timeout, intake.preferred)
         if result.expired:  # not per iteration: the loop runs every step and every idle wait
             self._metrics.expiries.labels("queue").inc(len(result.expired))
         out = [
@@ -279,8 +282,7 @@ class EngineWorker:
                 "deadline: too little time left to finish when the queue released it; "
                 "the request never ran",
             )
-        if not item.admitted_ns:
-            item.admitted_ns = now
+        item.admitted_ns = item.admitted_ns or now  # a resumed request keeps its first
         prompt, sampling = resumed(item)
         if not self._engine.add(item, prompt, sampling):
             return RequestError(
@@ -311,8 +313,7 @@ class EngineWorker:
         outputs = self._engine.step()
         self.stats.steps += 1
         now = time.monotonic_ns()
-        batch = len(self._running)
-        self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(self._running))
         out, finished = self._outputs.collect(outputs, started, now, self._controller)
         for h in finished:
             self._retire(h)
@@ -323,9 +324,8 @@ class EngineWorker:
         self._deliver(out)
 
     def _publish_view(self) -> None:
-        self._view = EngineView.of(
-            self._running.values(), self._top_priority, self.concurrency_limit
-        )
+        running, top = self._running.values(), self._top_priority
+        self._view = EngineView.of(running, top, self.concurrency_limit)
 
     @property
     def step_token_budget(self) -> int:

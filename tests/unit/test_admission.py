@@ -10,7 +10,6 @@ from pyserver.engine.admission import (
     admission_room,
     deadline_slack,
     preemption_victims,
-    resident_prefix_preference,
     resumed,
 )
 from pyserver.engine.kv_ledger import KvLedger
@@ -137,27 +136,3 @@ def test_without_a_prefix_cache_nothing_is_resident() -> None:
     kv.release(1)
     assert not kv.tracks_prefixes and kv.block_hashes(list(range(64))) == []
     assert kv.resident_tokens(kv.block_hashes(list(range(64)))) == 0
-
-
-def _queued(handle: int, prompt: list[int]) -> WorkItem:
-    it = item(handle, 0)
-    it.prompt_token_ids = prompt
-    return it
-
-
-def test_queued_requests_with_a_mostly_resident_prompt_are_preferred() -> None:
-    kv = KvLedger(capacity_tokens=1000, block_size=4)
-    doc = list(range(100, 116))  # four blocks
-    running = {1: _queued(1, [*doc, 1])}
-    kv.reserve(1, running[1].prompt_token_ids, 4)
-    items = {
-        1: running[1],
-        2: _queued(2, [*doc, 2, 3]),  # 16 of 18 tokens resident
-        3: _queued(3, list(range(300, 318))),  # another document: cold
-        4: _queued(4, [*doc[:4], *range(400, 420)]),  # 4 of 24 resident: cold
-        5: _queued(5, [*doc, 5]),
-    }
-    assert resident_prefix_preference(items, running, kv) == [2, 5]
-    # All resident, or none: the queue's own order stands.
-    assert resident_prefix_preference({k: items[k] for k in (1, 2, 5)}, running, kv) == []
-    assert resident_prefix_preference({k: items[k] for k in (3, 4)}, running, kv) == []
