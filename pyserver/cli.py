@@ -257,15 +257,6 @@ def _serve_parser(sub: Any) -> None:
         "queued requests whose prompt the prefix cache most likely still holds go first; the "
         "request next in line is passed over at most this many times (0: queue order only)",
     )
-    _add(
-        p,
-        "--prefill-backlog-steps",
-        int,
-        2,
-        "hand the engine at most this many steps' worth (--max-num-batched-tokens each) of "
-        "uncached prompt tokens ahead of its prefill; the rest waits in the queue, where "
-        "priority and prefix residency order it (0: no bound, the engine's own FCFS list)",
-    )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
@@ -484,7 +475,6 @@ def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
         step_tokens=args.step_tokens,
         deadline_admission=args.deadline_admission,
         refusal_confidence=args.refusal_confidence,
-        prefill_backlog_steps=args.prefill_backlog_steps,
         preempt_after_s=None if args.preempt_after_ms < 0 else args.preempt_after_ms / 1e3,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,

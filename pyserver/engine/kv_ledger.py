@@ -29,7 +29,6 @@ class KvLedger:
         self._holders: dict[int, int] = {}  # prompt-block hash -> running requests holding it
         self._cached: OrderedDict[int, None] = OrderedDict()  # held by none, oldest first
         self._reservations: dict[int, tuple[int, list[int]]] = {}  # handle -> (tokens, blocks)
-        self._uncached: dict[int, int] = {}  # handle -> prompt tokens not resident at entry
         self.reserved_tokens = 0
 
     @property
@@ -64,15 +63,9 @@ class KvLedger:
             n += 1
         return n * self._block_size
 
-    def uncached_tokens(self, handle: int) -> int:
-        """The prompt tokens of a running request that were not resident when it entered: what
-        its prefill computes."""
-        return self._uncached.get(handle, 0)
-
     def reserve(self, handle: int, prompt: Sequence[int], max_tokens: int) -> int:
         """Reserve for a request entering the engine; returns the tokens reserved."""
         blocks = self.block_hashes(prompt)
-        self._uncached[handle] = len(prompt) - self.resident_tokens(blocks)
         shared = 0
         for h in blocks:
             shared += 1 if h in self._holders else 0
@@ -87,7 +80,6 @@ class KvLedger:
     def release(self, handle: int) -> None:
         """The request left the engine (finished, aborted, preempted)."""
         tokens, blocks = self._reservations.pop(handle, (0, []))
-        self._uncached.pop(handle, None)
         self.reserved_tokens -= tokens
         for block in reversed(blocks):
             if self._holders[block] == 1:
@@ -109,5 +101,4 @@ class KvLedger:
         self._holders.clear()
         self._cached.clear()
         self._reservations.clear()
-        self._uncached.clear()
         self.reserved_tokens = 0

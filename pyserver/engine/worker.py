@@ -1,10 +1,11 @@
 """The engine worker: one thread that owns the engine and runs its step loop.
 
 Each iteration: apply aborts, preempt for waiting top-priority requests, admit from the C++
-BatchQueue what the engine has room for (sequence slots, KV tokens, a bounded prefill backlog;
-resident prompt prefixes first), step the engine once, publish that step's deltas to the event
-loop in one callback, retire finished, expired and cancelled requests. The policies are in
-pyserver.engine.{admission,intake,kv_ledger,deadlines,prefill_hold}; vLLM only through .adapter.
+BatchQueue what the engine has room for (sequence slots, KV tokens; resident prompt prefixes
+first), step the engine once, publish that step's deltas to the event loop in one callback,
+retire finished, expired and cancelled requests. The policies are in
+pyserver.engine.{admission,intake,kv_ledger,deadlines,prefill_hold}; vLLM is reached only
+through pyserver.engine.adapter.
 
 Failure policy: an exception from the engine fails every queued and in-flight request with
 UNAVAILABLE, closes the queue and sets `failed`; the server then turns health NOT_SERVING and
@@ -33,7 +34,7 @@ from pyserver.engine.admission import (
     resumed,
 )
 from pyserver.engine.deadlines import DeadlineAdmission, EngineView, queue_expiry
-from pyserver.engine.intake import plan_intake
+from pyserver.engine.intake import resident_prefix_preference
 from pyserver.engine.kv_ledger import KvLedger
 from pyserver.engine.outputs import StepOutputs
 from pyserver.scheduling import AdaptiveBatchController
@@ -69,7 +70,6 @@ class EngineWorker:
         reserved_top_slots: int = 0,
         deadline_admission: str = "shadow",
         refusal_confidence: float = 0.95,
-        prefill_backlog_steps: int = 0,
     ) -> None:
         self._engine = engine
         self._metrics = metrics or Metrics()
@@ -85,7 +85,7 @@ class EngineWorker:
         self.check_sampling = engine.check  # vLLM's verdict on settings, before any queueing
         shared_block = engine.block_size if engine.prefix_caching else 0  # prefix cache: shared
         self.kv = KvLedger(engine.kv_capacity_tokens, shared_block)
-        self.prefill_backlog_steps = prefill_backlog_steps  # engine steps' worth; 0: no bound
+        self._affinity = queue_config.affinity_max_overtakes > 0  # the queue takes preferred
         if controller_knob not in ("concurrency", "step_tokens"):
             raise ValueError(
                 f"controller knob must be concurrency or step_tokens, got {controller_knob!r}"
@@ -242,19 +242,18 @@ class EngineWorker:
         self._deliver([(self._retire(h).mailbox, Delta(error=err)) for h in live])
 
     def _admit(self) -> None:
+        free = self._admission_room()
         timeout = 0.0 if self._running else _IDLE_WAIT_S
         room = self.kv.room
-        intake = plan_intake(
-            self._items,
-            self._running,
-            self.kv,
-            free=self._admission_room() if room > 0 else 0,
-            backlog_tokens=self.prefill_backlog_steps * self._engine.step_token_budget,
-            affinity=self.queue.config.affinity_max_overtakes > 0,
-            top=self._top_priority,
-        )
-        # With no room the pop still reaps expiries and cancellations.
-        result = self.queue.pop_batch(intake.max_requests, room, timeout, intake.preferred)
+        preferred: list[int] = []
+        if free <= 0 or room <= 0:
+            free, room = 0, 0  # still reap expiries and cancellations
+        elif self._affinity and self.queue.size() > 1:
+            preferred = resident_prefix_preference(self._items, self._running, self.kv)
+        result = self.queue.pop_batch(free, room, timeout, preferred)
+        if preferred and result.admitted:
+            taken = len(set(preferred).intersection(result.admitted))
+            self._metrics.resident_prefix_admissions.inc(taken)
         if result.expired:  # not per iteration: the loop runs every step and every idle wait
             self._metrics.expiries.labels("queue").inc(len(result.expired))
         out = [

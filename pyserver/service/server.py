@@ -67,7 +67,6 @@ class ServerSettings:
     level_queue_timeout_ms: tuple[int, ...] = ()  # default queue timeout per level (0: none)
     deadline_admission: str = "shadow"  # on | shadow (predict, record, serve anyway) | off
     refusal_confidence: float = 0.95  # refuse only when this sure the call misses its deadline
-    prefill_backlog_steps: int = 2  # uncached prompt tokens ahead of the engine, in steps (0: all)
     max_prompt_tokens: int = 0  # 0: max_model_len - 1
     max_tokens_limit: int = 0  # 0: max_model_len - 1
     max_message_bytes: int = 4 * 1024 * 1024
@@ -207,7 +206,6 @@ class StreambatchServer:
             reserved_top_slots=s.reserved_top_slots,
             deadline_admission=s.deadline_admission,
             refusal_confidence=s.refusal_confidence,
-            prefill_backlog_steps=s.prefill_backlog_steps,
         )
         self.worker.on_failure = self._on_engine_failure
         limits = self._limits(self.worker)

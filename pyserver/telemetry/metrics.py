@@ -186,6 +186,12 @@ class Metrics:
             "computing them (a request resumed after a preemption: its earlier output too)",
             registry=r,
         )
+        self.resident_prefix_admissions = Counter(
+            f"{PREFIX}_resident_prefix_admissions",
+            "Calls the queue took first because vLLM's prefix cache most likely held most of "
+            "their prompt (--prefix-affinity)",
+            registry=r,
+        )
         self.requests = Counter(
             f"{PREFIX}_requests", "Finished calls by gRPC status", ["method", "code"], registry=r
         )

@@ -281,6 +281,49 @@ class EngineSteps:
         }
 
 
+def _document(name: str) -> str:
+    """About 450 tokens of text that no other document starts like."""
+    return " ".join(f"{name} fact {i}: the {name} river runs past hill {i}." for i in range(40))
+
+
+def test_a_call_over_a_cached_document_enters_before_older_and_newer_cold_ones(  # type: ignore[no-untyped-def]
+    engine_server, monkeypatch
+) -> None:
+    """Prefix affinity on the real engine: with every slot taken, of three queued calls the one
+    whose document the prefix cache holds enters first, ahead of one sent before it (arrival
+    order would take that one) and one sent after it (newest first would)."""
+    s = stub(engine_server.target)
+    worker = engine_server.worker
+    assert worker.queue.config.affinity_max_overtakes > 0  # the server's default
+    assert wait_until(engine_server.engine_idle, 30)
+    seeded = run_stream(s, request(_document("alpha") + " Question: which hill?", max_tokens=2))
+    assert seeded.code == grpc.StatusCode.OK, seeded.details
+    added: list[str] = []
+    add = worker._engine.add
+
+    def noted_add(item, prompt, sampling):  # type: ignore[no-untyped-def]
+        added.append(item.request_id)
+        return add(item, prompt, sampling)
+
+    calls = {
+        name: request(_document(name) + f" Question: which hill, {name}?", max_tokens=2)
+        for name in ("beta", "alpha", "gamma")  # sent in this order: cold, cached, cold
+    }
+    for name, req in calls.items():
+        req.request_id = f"affinity-{name}"
+    monkeypatch.setattr(worker._engine, "add", noted_add)
+    counter = worker._metrics.resident_prefix_admissions
+    before = counter._value.get()
+    with ThreadPoolExecutor(16) as pool:
+        fillers = _fill_engine(engine_server, pool, worker.max_num_seqs)
+        queued = _queue_together(worker, pool, s, list(calls.values()))
+        done = [f.result(120) for f in queued + fillers]
+    assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
+    order = [rid for rid in added if rid.startswith("affinity-")]
+    assert order[0] == "affinity-alpha", order
+    assert counter._value.get() >= before + 1
+
+
 def _queue_together(worker, pool, s, requests):  # type: ignore[no-untyped-def]
     """Pause the engine between two steps, send `requests`, let it go on once the queue holds
     all of them: they reach the worker's next admission together."""
