@@ -114,15 +114,16 @@ class ReferenceQueue:
                     and passed.overtaken < self._max_overtakes
                 ):
                     if tokens + p.cost > max_tokens:
-                        break
-                    tokens += p.cost
-                    if passed is not None:
-                        passed.overtaken += 1
-                    self._heaps[i].remove((p.seq, p))
-                    heapq.heapify(self._heaps[i])
-                    taken.add(p.id)
-                    out.append(p.id)
-                    continue
+                        prefs = []  # a preferred call that does not fit passes nobody
+                    else:
+                        tokens += p.cost
+                        if passed is not None:
+                            passed.overtaken += 1
+                        self._heaps[i].remove((p.seq, p))
+                        heapq.heapify(self._heaps[i])
+                        taken.add(p.id)
+                        out.append(p.id)
+                        continue
             if best is None:
                 break
             e, _, _ = candidate(best)

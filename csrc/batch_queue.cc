@@ -406,8 +406,9 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
         pick_index = i;
       }
     }
-    // The best preferred request still waiting goes first, unless the order above outranks it
-    // or the request it would pass over has been passed over affinity_max_overtakes times.
+    // The best preferred request still waiting goes first, unless the order above outranks it,
+    // the request it would pass over has been passed over affinity_max_overtakes times or was
+    // requeued, or it does not fit (then no preferred request goes first in this batch).
     while (next_preferred < preferred_.size()) {
       const auto it = entries_.find(preferred_[next_preferred].id);
       if (it != entries_.end() && it->second.seq == preferred_[next_preferred].seq) break;
@@ -420,10 +421,16 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
         const auto& pq = fifos_[pick_index];
         passed = &entries_.at((pick->back ? pq.back() : pq.front()).id);
       }
-      if (passed == nullptr ||
-          (pref.eff >= pick->eff && passed->overtaken < config_.affinity_max_overtakes)) {
-        const Entry e = entries_.at(pref.id);
-        if (tokens + e.cost() > max_tokens) break;
+      // A request put back after a preemption is never passed over: it resumes first.
+      const bool may_pass = passed == nullptr ||
+                            (pref.eff >= pick->eff && passed->seq >= kFirstSeq &&
+                             passed->overtaken < config_.affinity_max_overtakes);
+      const Entry e = entries_.at(pref.id);
+      if (may_pass && tokens + e.cost() > max_tokens) {
+        // A preferred request that does not fit passes nobody: the order above goes on (its
+        // own head is what the no-overtaking rule protects).
+        next_preferred = preferred_.size();
+      } else if (may_pass) {
         tokens += e.cost();
         if (passed != nullptr) ++passed->overtaken;
         out.push_back(pref.id);

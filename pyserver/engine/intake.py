@@ -18,27 +18,34 @@ from pyserver.domain import WorkItem
 from pyserver.engine.kv_ledger import KvLedger
 
 # Queued calls looked at per admission, oldest first: bounds the cost of a step under a deep
-# backlog (about a microsecond per block looked up).
-SCAN = 512
+# backlog (a few microseconds per call once its block hashes are known).
+SCAN = 128
 
 
 def resident_prefix_preference(
     items: dict[int, WorkItem], running: dict[int, WorkItem], kv: KvLedger
 ) -> list[int]:
-    """The handles of the queued calls whose prompt is at least half resident; empty when
-    none or all of them are (the queue's own order then stands). `items`: every accepted call
-    in arrival order; `running`: those in the engine."""
+    """The handles of the queued calls whose prompt is at least half resident beyond what every
+    queued call has resident (a system prompt or chat template they all share saves nothing by
+    reordering); empty when none or all of them are (the queue's own order then stands).
+    `items`: every accepted call in arrival order; `running`: those in the engine. A call that
+    asks for prompt logprobs is never preferred: vLLM computes its whole prompt anyway."""
     if not kv.tracks_prefixes:
         return []
-    warm: list[int] = []
-    scanned = 0
+    resident: list[tuple[int, int, int]] = []  # (handle, prompt tokens, resident tokens)
     # list(): one atomic copy under the GIL (the event loop adds to the dict).
     queued = (it for it in list(items.values()) if it.handle not in running)
     for item in itertools.islice(queued, SCAN):
         if item.prompt_blocks is None:
-            item.prompt_blocks = kv.block_hashes(item.prompt_token_ids)
-        resident = kv.resident_tokens(item.prompt_blocks)
-        if resident and 2 * resident >= len(item.prompt_token_ids):
-            warm.append(item.handle)
-        scanned += 1
-    return warm if len(warm) < scanned else []
+            item.prompt_blocks = kv.block_hashes(item.prompt_token_ids, item.adapter)
+        cached = (
+            0
+            if item.sampling.prompt_logprobs is not None
+            else kv.resident_tokens(item.prompt_blocks)
+        )
+        resident.append((item.handle, len(item.prompt_token_ids), cached))
+    if not resident:
+        return []
+    common = min(r for _, _, r in resident)
+    warm = [h for h, n, r in resident if r > common and 2 * (r - common) >= n - common]
+    return warm if len(warm) < len(resident) else []

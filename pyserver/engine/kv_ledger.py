@@ -20,8 +20,9 @@ class KvLedger:
     Residency mirrors vLLM's eviction: a block no running request holds stays cached until its
     room is needed, least recently released first, and a request's blocks are released last
     block first (vLLM frees them in reverse, so a prompt's head outlives its tail). The room
-    for cached blocks is the capacity less every reservation, an upper bound on what running
-    requests hold, so the model errs towards "evicted"."""
+    for cached blocks is the capacity less every reservation. An approximation: vLLM also
+    caches the output blocks of finished requests, and allocates a running request's blocks as
+    it goes rather than all at its start."""
 
     def __init__(self, capacity_tokens: int, block_size: int) -> None:
         self.capacity_tokens = capacity_tokens  # 0: unknown, admission is not bounded by KV
@@ -45,9 +46,11 @@ class KvLedger:
     def usage(self) -> float:
         return self.reserved_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
 
-    def block_hashes(self, prompt: Sequence[int]) -> list[int]:
-        """The chained hashes of the prompt's full blocks (none without a prefix cache)."""
-        size, h, out = self._block_size, 0, []
+    def block_hashes(self, prompt: Sequence[int], adapter: str = "") -> list[int]:
+        """The chained hashes of the prompt's full blocks (none without a prefix cache). vLLM's
+        block hash includes the LoRA adapter: a document cached for the base model is not
+        cached for an adapter."""
+        size, h, out = self._block_size, hash(adapter) if adapter else 0, []
         if size:
             for start in range(0, len(prompt) - size + 1, size):
                 h = hash((h, tuple(prompt[start : start + size])))
@@ -63,9 +66,11 @@ class KvLedger:
             n += 1
         return n * self._block_size
 
-    def reserve(self, handle: int, prompt: Sequence[int], max_tokens: int) -> int:
+    def reserve(
+        self, handle: int, prompt: Sequence[int], max_tokens: int, adapter: str = ""
+    ) -> int:
         """Reserve for a request entering the engine; returns the tokens reserved."""
-        blocks = self.block_hashes(prompt)
+        blocks = self.block_hashes(prompt, adapter)
         shared = 0
         for h in blocks:
             shared += 1 if h in self._holders else 0

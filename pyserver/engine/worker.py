@@ -290,7 +290,7 @@ class EngineWorker:
                 "prompt is outside what this model accepts (the server log says which)",
             )
         self._running[item.handle] = item
-        self.kv.reserve(item.handle, prompt, sampling.max_tokens)
+        self.kv.reserve(item.handle, prompt, sampling.max_tokens, item.adapter)
         self.stats.requests_added += 1
         self._metrics.prompt_tokens.inc(len(prompt))
         return None

@@ -188,8 +188,8 @@ class Metrics:
         )
         self.resident_prefix_admissions = Counter(
             f"{PREFIX}_resident_prefix_admissions",
-            "Calls the queue took first because vLLM's prefix cache most likely held most of "
-            "their prompt (--prefix-affinity)",
+            "Calls admitted from those the queue was told to prefer (--prefix-affinity): vLLM's "
+            "prefix cache most likely held most of their prompt while colder calls waited",
             registry=r,
         )
         self.requests = Counter(

@@ -479,15 +479,27 @@ TEST(BatchQueue, PreferenceNeedsAnOvertakeLimit) {
   EXPECT_EQ(r.admitted, (std::vector<RequestId>{1, 2}));
 }
 
-TEST(BatchQueue, PreferredRequestThatDoesNotFitEndsTheBatch) {
+TEST(BatchQueue, PreferredRequestThatDoesNotFitPassesNobody) {
   Fixture f;
   f.config.affinity_max_overtakes = 8;
   auto q = f.make();
   push_ok(q, 1, 10);
   push_ok(q, 2, 200);
-  // The preferred request 2 comes first and does not fit: nothing overtakes it.
+  // The preferred request 2 does not fit: the order goes on without it.
   auto r = q.pop_batch(10, 100, 0, {2});
-  EXPECT_TRUE(r.admitted.empty());
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{1}));
   r = q.pop_batch(10, 1000, 0, {2});
-  EXPECT_EQ(r.admitted, (std::vector<RequestId>{2, 1}));
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{2}));
+}
+
+TEST(BatchQueue, RequeuedRequestIsNeverPassedOver) {
+  Fixture f;
+  f.config.affinity_max_overtakes = 8;
+  auto q = f.make();
+  push_ok(q, 1, 10);
+  push_ok(q, 2, 10);
+  ASSERT_EQ(q.requeue(100, 10, 1, 0, 0, f.clock->now_ns()).status, PushStatus::kAccepted);
+  // The preempted request resumes first; then the preferred one passes request 1.
+  auto r = q.pop_batch(10, 1000, 0, {2});
+  EXPECT_EQ(r.admitted, (std::vector<RequestId>{100, 2, 1}));
 }

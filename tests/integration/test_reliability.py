@@ -32,7 +32,7 @@ def _settled(live_server) -> bool:  # type: ignore[no-untyped-def]
     w = live_server.worker
     return (
         live_server.engine_idle()
-        and w.kv_cache_usage == 0.0
+        and w.kv.usage == 0.0
         and w.engine_kv_usage() == 0.0
         and w.queue.size() == 0
     )

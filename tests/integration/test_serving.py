@@ -282,16 +282,16 @@ class EngineSteps:
 
 
 def _document(name: str) -> str:
-    """About 450 tokens of text that no other document starts like."""
+    """About 600 tokens of text that no other document starts like."""
     return " ".join(f"{name} fact {i}: the {name} river runs past hill {i}." for i in range(40))
 
 
 def test_a_call_over_a_cached_document_enters_before_older_and_newer_cold_ones(  # type: ignore[no-untyped-def]
     engine_server, monkeypatch
 ) -> None:
-    """Prefix affinity on the real engine: with every slot taken, of three queued calls the one
-    whose document the prefix cache holds enters first, ahead of one sent before it (arrival
-    order would take that one) and one sent after it (newest first would)."""
+    """Prefix affinity on the real engine: with every slot taken, of three calls queued one
+    after another the one whose document the prefix cache holds enters first, ahead of one sent
+    before it, which arrival order would take first, and one sent after it."""
     s = stub(engine_server.target)
     worker = engine_server.worker
     assert worker.queue.config.affinity_max_overtakes > 0  # the server's default
@@ -316,7 +316,22 @@ def test_a_call_over_a_cached_document_enters_before_older_and_newer_cold_ones( 
     before = counter._value.get()
     with ThreadPoolExecutor(16) as pool:
         fillers = _fill_engine(engine_server, pool, worker.max_num_seqs)
-        queued = _queue_together(worker, pool, s, list(calls.values()))
+        paused, resume = threading.Event(), threading.Event()
+
+        def pause_between_steps() -> None:
+            paused.set()
+            resume.wait(30)
+
+        worker._step_hook = pause_between_steps
+        try:
+            assert paused.wait(30)
+            queued = []
+            for req in calls.values():  # one at a time: the queue sees them in this order
+                queued.append(pool.submit(run_stream, s, req))
+                assert wait_until(lambda: worker.queue.size() == len(queued), 10)
+        finally:
+            worker._step_hook = None
+            resume.set()
         done = [f.result(120) for f in queued + fillers]
     assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
     order = [rid for rid in added if rid.startswith("affinity-")]
