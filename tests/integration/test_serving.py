@@ -316,22 +316,7 @@ def test_a_call_over_a_cached_document_enters_before_older_and_newer_cold_ones( 
     before = counter._value.get()
     with ThreadPoolExecutor(16) as pool:
         fillers = _fill_engine(engine_server, pool, worker.max_num_seqs)
-        paused, resume = threading.Event(), threading.Event()
-
-        def pause_between_steps() -> None:
-            paused.set()
-            resume.wait(30)
-
-        worker._step_hook = pause_between_steps
-        try:
-            assert paused.wait(30)
-            queued = []
-            for req in calls.values():  # one at a time: the queue sees them in this order
-                queued.append(pool.submit(run_stream, s, req))
-                assert wait_until(lambda: worker.queue.size() == len(queued), 10)
-        finally:
-            worker._step_hook = None
-            resume.set()
+        queued = _queue_together(worker, pool, s, list(calls.values()), one_at_a_time=True)
         done = [f.result(120) for f in queued + fillers]
     assert all(r.code == grpc.StatusCode.OK for r in done), [r.details for r in done]
     order = [rid for rid in added if rid.startswith("affinity-")]
@@ -339,9 +324,10 @@ def test_a_call_over_a_cached_document_enters_before_older_and_newer_cold_ones( 
     assert counter._value.get() >= before + 1
 
 
-def _queue_together(worker, pool, s, requests):  # type: ignore[no-untyped-def]
-    """Pause the engine between two steps, send `requests`, let it go on once the queue holds
-    all of them: they reach the worker's next admission together."""
+def _queue_together(worker, pool, s, requests, one_at_a_time=False):  # type: ignore[no-untyped-def]
+    """Pause the engine between two steps, send `requests` (with one_at_a_time, each once the
+    queue holds the one before, so the queue sees them in this order), let it go on once the
+    queue holds all of them: they reach the worker's next admission together."""
     paused, resume = threading.Event(), threading.Event()
 
     def pause_between_steps() -> None:
@@ -349,9 +335,13 @@ def _queue_together(worker, pool, s, requests):  # type: ignore[no-untyped-def]
         resume.wait(30)
 
     worker._step_hook = pause_between_steps
+    futures = []
     try:
         assert paused.wait(30)
-        futures = [pool.submit(run_stream, s, r) for r in requests]
+        for r in requests:
+            futures.append(pool.submit(run_stream, s, r))
+            if one_at_a_time:
+                assert wait_until(lambda: worker.queue.size() == len(futures), 10)
         assert wait_until(lambda: worker.queue.size() == len(requests), 10)
     finally:
         worker._step_hook = None
