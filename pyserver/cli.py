@@ -70,6 +70,16 @@ def _bool(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _count(text: str | int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0, got {text!r}")
+    return value
+
+
 def _seconds(text: str | float) -> float:
     try:
         value = float(text)
@@ -252,7 +262,7 @@ def _serve_parser(sub: Any) -> None:
     _add(
         p,
         "--prefix-affinity",
-        int,
+        _count,
         8,
         "queued requests whose prompt the prefix cache most likely still holds go first; the "
         "request next in line is passed over at most this many times (0: queue order only)",

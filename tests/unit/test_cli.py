@@ -195,3 +195,14 @@ def test_negative_seconds_are_refused(flag: str, capsys: pytest.CaptureFixture[s
         main(["serve", flag, "-1"])
     assert exit_.value.code == 2
     assert "expected seconds >= 0" in capsys.readouterr().err
+
+
+def test_a_negative_prefix_affinity_is_refused_before_the_engine_loads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pyserver.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--prefix-affinity", "-1"])
+    assert exit_.value.code == 2
+    assert "expected a count >= 0" in capsys.readouterr().err
