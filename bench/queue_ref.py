@@ -1,10 +1,12 @@
 """Pure-Python reference of the BatchQueue admission policy (csrc/batch_queue.h), heapq-based.
 
 It implements the same order (effective priority with aging, head bucket then nearest buckets,
-arrival order: oldest first, newest first in a level past lifo_after_ns; preferred requests
-first within their level, the request next in line passed over at most affinity_max_overtakes
-times) and the same token-budget rule, without the blocking and release-rule machinery; the
-benchmark measures the C++ core against it and the tests check both produce the same order.
+arrival order: oldest first, newest first in a level past lifo_after_ns except for a request
+that waited oldest_first_after_ns; preferred requests first within their level, the request
+next in line passed over at most affinity_max_overtakes times and never once it waited
+oldest_first_after_ns) and the same token-budget rule, without the blocking and release-rule
+machinery; the benchmark measures the C++ core against it and the tests check both produce the
+same order.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ class ReferenceQueue:
         aging_interval_ns: int = 0,
         lifo_after_ns: int = 0,
         affinity_max_overtakes: int = 0,
+        oldest_first_after_ns: int = 0,
     ) -> None:
         self._lifo_after = lifo_after_ns
+        self._oldest_first_after = oldest_first_after_ns
         self._max_overtakes = affinity_max_overtakes
         self._levels = priority_levels
         self._bounds = list(bucket_bounds)
@@ -60,6 +64,10 @@ class ReferenceQueue:
             return e.priority
         return min(top - 1, e.priority + max(0, (now_ns - e.enqueued_ns) // self._aging))
 
+    def _overdue(self, e: _Entry, now_ns: int) -> bool:
+        limit = self._oldest_first_after
+        return limit > 0 and now_ns - e.enqueued_ns >= limit
+
     def pop_batch(
         self, max_requests: int, max_tokens: int, now_ns: int, preferred: Iterable[int] = ()
     ) -> list[int]:
@@ -74,7 +82,7 @@ class ReferenceQueue:
             heap's effective priority (its oldest entry's)."""
             h = self._heaps[i]
             eff = self._effective(h[0][1], now_ns)
-            if lifo[i // self._buckets]:
+            if lifo[i // self._buckets] and not self._overdue(h[0][1], now_ns):
                 newest = max(h)[1]
                 return newest, (1, -newest.seq), eff
             return h[0][1], (0, h[0][0]), eff
@@ -112,6 +120,7 @@ class ReferenceQueue:
                     best_key is not None
                     and -neg_eff >= -best_key[0]
                     and passed.overtaken < self._max_overtakes
+                    and not self._overdue(passed, now_ns)
                 ):
                     if tokens + p.cost > max_tokens:
                         prefs = []  # a preferred call that does not fit passes nobody
@@ -131,7 +140,7 @@ class ReferenceQueue:
                 break
             tokens += e.cost
             h = self._heaps[best]
-            if lifo[best // self._buckets]:
+            if h[0][1] is not e:
                 h.remove((e.seq, e))
                 heapq.heapify(h)
             else:

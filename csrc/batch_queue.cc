@@ -63,8 +63,9 @@ static QueueConfig checked(QueueConfig c) {
   if (c.max_batch_requests < 1) throw std::invalid_argument("max_batch_requests must be >= 1");
   if (c.max_batch_tokens < 1) throw std::invalid_argument("max_batch_tokens must be >= 1");
   if (c.batch_window_ns < 0 || c.max_wait_ns < 0 || c.aging_interval_ns < 0 ||
-      c.lifo_after_ns < 0)
-    throw std::invalid_argument("batch_window, max_wait, aging_interval and lifo_after must be >= 0");
+      c.lifo_after_ns < 0 || c.oldest_first_after_ns < 0)
+    throw std::invalid_argument(
+        "batch_window, max_wait, aging_interval, lifo_after and oldest_first_after must be >= 0");
   if (c.affinity_max_overtakes < 0)
     throw std::invalid_argument("affinity_max_overtakes must be >= 0 (0 = no preference)");
   return c;
@@ -227,10 +228,12 @@ void BatchQueue::drop_dead_tails_locked(size_t index) {
   }
 }
 
-bool BatchQueue::takes_back_locked(size_t index) const {
+bool BatchQueue::takes_back_locked(size_t index, Nanos now) const {
   const auto& q = fifos_[index];
-  // A requeued request (seq below kFirstSeq) sits at the front and goes first either way.
-  return lifo_level_[index / bucket_count_] != 0 && q.front().seq >= kFirstSeq;
+  // A requeued request (seq below kFirstSeq) sits at the front and goes first either way, and
+  // so does an overdue one (the front is live: dead heads are dropped as they appear).
+  return lifo_level_[index / bucket_count_] != 0 && q.front().seq >= kFirstSeq &&
+         !overdue(q.front().enqueued_ns, now);
 }
 
 std::uint64_t BatchQueue::order_key(std::uint64_t seq, bool newest_first) {
@@ -364,7 +367,7 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
     k.live = !q.empty();
     if (!k.live) return;
     const int p = static_cast<int>(index / bucket_count_);
-    k.back = takes_back_locked(index);
+    k.back = takes_back_locked(index, now);
     if (k.back) drop_dead_tails_locked(index);
     // Aging lifts a FIFO by its oldest request, whichever end is taken from it: a level
     // served newest first still climbs as its backlog ages (no starvation below).
@@ -421,10 +424,12 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
         const auto& pq = fifos_[pick_index];
         passed = &entries_.at((pick->back ? pq.back() : pq.front()).id);
       }
-      // A request put back after a preemption is never passed over: it resumes first.
+      // A request put back after a preemption is never passed over (it resumes first), nor
+      // an overdue one.
       const bool may_pass = passed == nullptr ||
                             (pref.eff >= pick->eff && passed->seq >= kFirstSeq &&
-                             passed->overtaken < config_.affinity_max_overtakes);
+                             passed->overtaken < config_.affinity_max_overtakes &&
+                             !overdue(passed->enqueued_ns, now));
       const Entry e = entries_.at(pref.id);
       if (may_pass && tokens + e.cost() > max_tokens) {
         // A preferred request that does not fit passes nobody: the order above goes on (its

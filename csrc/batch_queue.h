@@ -25,12 +25,15 @@
 //      lifo_after_ns or more (overload): there the newest first (adaptive LIFO, as in
 //      Facebook's "Fail at Scale"), so under overload the requests that still have their
 //      whole deadline are served while the old ones, likely past what their callers wait
-//      for, give way; requests put back by requeue() still go first.
+//      for, give way; requests put back by requeue() still go first. A request that has
+//      waited oldest_first_after_ns goes before every newer one there (oldest first again):
+//      a caller with no deadline, or a long one, is held back that long at most.
 // A pop may name preferred requests (the caller's choice: those whose prompt prefix the
 // engine still holds in its prefix cache). A preferred request goes before every other one of
 // its effective priority or lower, oldest first, except that the request the order above
 // would take next is passed over this way at most affinity_max_overtakes times in all, then
-// it goes first (a bounded delay, not starvation); with the limit at 0 nothing is preferred.
+// it goes first (a bounded delay, not starvation), and never once it has waited
+// oldest_first_after_ns; with the limit at 0 nothing is preferred.
 // A FIFO's effective priority is its oldest request's, whichever end is taken from it. The
 // head request is the first by (effective priority, arrival order). A request costs
 // prompt_tokens + max_new_tokens (its KV footprint at the end) against the token budget; the
@@ -92,6 +95,7 @@ struct QueueConfig {
   Nanos max_wait_ns = 50'000'000;           // the seed's 50 ms
   Nanos aging_interval_ns = 0;              // 0: no aging
   Nanos lifo_after_ns = 0;                  // 0: always arrival order (see "Order" above)
+  Nanos oldest_first_after_ns = 0;          // a request waiting this long is overtaken by none; 0: off
   std::int64_t affinity_max_overtakes = 0;  // preferred requests that may pass one; 0: off
   bool release_on_urgent = true;
 };
@@ -225,7 +229,11 @@ class BatchQueue {
   void drop_dead_tails_locked(size_t fifo_index);
   // The slot selection would take next from a FIFO (front, or back in a LIFO level), and its
   // arrival-order key (smaller first).
-  [[nodiscard]] bool takes_back_locked(size_t fifo_index) const;
+  [[nodiscard]] bool takes_back_locked(size_t fifo_index, Nanos now) const;
+  // Waited oldest_first_after_ns: no newer request (newest first, preferred) goes before it.
+  [[nodiscard]] bool overdue(Nanos enqueued_ns, Nanos now) const {
+    return config_.oldest_first_after_ns > 0 && now - enqueued_ns >= config_.oldest_first_after_ns;
+  }
   [[nodiscard]] static std::uint64_t order_key(std::uint64_t seq, bool newest_first);
   void expire_locked(Nanos now, std::vector<RequestId>& out);
   [[nodiscard]] bool release_reason_locked(Nanos now, std::int64_t max_requests,

@@ -44,6 +44,7 @@ class QueueConfig:
     max_wait_ns: int
     aging_interval_ns: int
     lifo_after_ns: int
+    oldest_first_after_ns: int
     affinity_max_overtakes: int
     release_on_urgent: bool
     def __init__(self) -> None: ...

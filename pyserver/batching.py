@@ -45,6 +45,7 @@ def make_config(
     aging_interval_s: float = 0.0,
     lifo_after_s: float = 0.0,
     affinity_max_overtakes: int = 0,
+    oldest_first_after_s: float = 0.0,
     release_on_urgent: bool = True,
 ) -> QueueConfig:
     """A QueueConfig with durations in seconds; the constructor of BatchQueue validates it."""
@@ -60,5 +61,6 @@ def make_config(
     config.aging_interval_ns = round(aging_interval_s * _NS)
     config.lifo_after_ns = round(lifo_after_s * _NS)
     config.affinity_max_overtakes = affinity_max_overtakes
+    config.oldest_first_after_ns = round(oldest_first_after_s * _NS)
     config.release_on_urgent = release_on_urgent
     return config

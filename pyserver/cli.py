@@ -80,14 +80,21 @@ def _count(text: str | int) -> int:
     return value
 
 
-def _seconds(text: str | float) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:  # also NaN
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
+def _non_negative(unit: str) -> Callable[[str | float], float]:
+    def parse(text: str | float) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 <= value < math.inf:  # also NaN
+            raise argparse.ArgumentTypeError(f"expected {unit} >= 0, got {text!r}")
+        return value
+
+    return parse
+
+
+_seconds = _non_negative("seconds")
+_milliseconds = _non_negative("milliseconds")
 
 
 def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
@@ -246,15 +253,27 @@ def _serve_parser(sub: Any) -> None:
         "deadline admission refuses only when at least this sure the call would miss",
     )
     _add(p, "--bucket-bounds", _ints, (), "prompt-length bucket bounds, e.g. 64,256,1024")
-    _add(p, "--batch-window-ms", float, 0.0, "hold the first arrival this long to gather a batch")
-    _add(p, "--max-wait-ms", float, 0.0, "release when the oldest waited this long (0: off)")
     _add(
-        p, "--aging-interval-ms", float, 2000.0, "promote a waiting request one level per interval"
+        p,
+        "--batch-window-ms",
+        _milliseconds,
+        0.0,
+        "hold the first arrival this long to gather a batch",
+    )
+    _add(
+        p, "--max-wait-ms", _milliseconds, 0.0, "release when the oldest waited this long (0: off)"
+    )
+    _add(
+        p,
+        "--aging-interval-ms",
+        _milliseconds,
+        2000.0,
+        "promote a waiting request one level per interval",
     )
     _add(
         p,
         "--lifo-after-ms",
-        float,
+        _milliseconds,
         1000.0,
         "overload: a priority level whose oldest waiting request has waited this long is "
         "served newest first (adaptive LIFO; 0: always oldest first)",
@@ -266,6 +285,14 @@ def _serve_parser(sub: Any) -> None:
         8,
         "queued requests whose prompt the prefix cache most likely still holds go first; the "
         "request next in line is passed over at most this many times (0: queue order only)",
+    )
+    _add(
+        p,
+        "--oldest-first-after-ms",
+        _milliseconds,
+        60000.0,
+        "a waiting request that has waited this long goes before every newer one of its level: "
+        "bounds how long newest-first order and --prefix-affinity hold a call back (0: no bound)",
     )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
@@ -479,6 +506,7 @@ def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
         aging_interval_s=args.aging_interval_ms / 1e3,
         lifo_after_s=args.lifo_after_ms / 1e3,
         prefix_affinity=args.prefix_affinity,
+        oldest_first_after_s=args.oldest_first_after_ms / 1e3,
         level_capacity=args.level_capacity,
         level_queue_timeout_ms=args.level_queue_timeout_ms,
         reserved_top_slots=args.reserved_top_slots,

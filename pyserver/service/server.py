@@ -60,6 +60,7 @@ class ServerSettings:
     aging_interval_s: float = 2.0
     lifo_after_s: float = 1.0  # a level whose oldest waited this long is served newest first
     prefix_affinity: int = 8  # resident-prefix requests may pass the next in line this often
+    oldest_first_after_s: float = 60.0  # a request waiting this long is overtaken by none
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption
     reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use
@@ -244,6 +245,7 @@ class StreambatchServer:
             aging_interval_s=s.aging_interval_s,
             lifo_after_s=s.lifo_after_s,
             affinity_max_overtakes=s.prefix_affinity,
+            oldest_first_after_s=s.oldest_first_after_s,
         )
 
     def _limits(self, worker: EngineWorker) -> Limits:

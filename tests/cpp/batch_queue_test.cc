@@ -503,3 +503,36 @@ TEST(BatchQueue, RequeuedRequestIsNeverPassedOver) {
   auto r = q.pop_batch(10, 1000, 0, {2});
   EXPECT_EQ(r.admitted, (std::vector<RequestId>{100, 2, 1}));
 }
+
+TEST(BatchQueue, NewestFirstServesOverdueRequestsOldestFirst) {
+  Fixture f;
+  f.config.lifo_after_ns = 100 * kMs;
+  f.config.oldest_first_after_ns = 1'000 * kMs;
+  auto q = f.make();
+  push_ok(q, 1, 10);
+  push_ok(q, 2, 10);
+  f.clock->advance_ns(500 * kMs);
+  push_ok(q, 3, 10);
+  push_ok(q, 4, 10);
+  // Backlogged (the oldest waited 500 ms), nobody overdue yet: newest first.
+  EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{4}));
+  f.clock->advance_ns(500 * kMs);  // 1 and 2 have waited 1 s: overdue, oldest first
+  push_ok(q, 5, 10);
+  EXPECT_EQ(q.pop_batch(3, 1000, 0).admitted, (std::vector<RequestId>{1, 2, 5}));
+  EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{3}));
+}
+
+TEST(BatchQueue, OverdueRequestIsNeverPassedOver) {
+  Fixture f;
+  f.config.affinity_max_overtakes = 8;
+  f.config.oldest_first_after_ns = 1'000 * kMs;
+  auto q = f.make();
+  push_ok(q, 1, 10);
+  f.clock->advance_ns(999 * kMs);
+  push_ok(q, 2, 10);
+  push_ok(q, 3, 10);
+  EXPECT_EQ(q.pop_batch(1, 1000, 0, {3}).admitted, (std::vector<RequestId>{3}));
+  f.clock->advance_ns(1 * kMs);  // 1 has waited 1 s: the preferred 2 waits behind it
+  EXPECT_EQ(q.pop_batch(1, 1000, 0, {2}).admitted, (std::vector<RequestId>{1}));
+  EXPECT_EQ(q.pop_batch(1, 1000, 0, {}).admitted, (std::vector<RequestId>{2}));
+}

@@ -162,11 +162,24 @@ def test_bad_timeout_raises_value_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("aging_ms", "lifo_ms", "overtakes"),
-    [(0, 0, 0), (5, 0, 0), (0, 4, 0), (5, 2, 0), (0, 0, 3), (5, 0, 1), (5, 2, 4)],
+    ("aging_ms", "lifo_ms", "overtakes", "oldest_first_ms"),
+    [
+        (0, 0, 0, 0),
+        (5, 0, 0, 0),
+        (0, 4, 0, 0),
+        (5, 2, 0, 0),
+        (0, 0, 3, 0),
+        (5, 0, 1, 0),
+        (5, 2, 4, 0),
+        (0, 2, 0, 6),
+        (0, 0, 4, 3),
+        (9, 1, 4, 5),
+    ],
 )
-def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int, overtakes: int) -> None:
-    rng = random.Random(aging_ms + 11 + 100 * lifo_ms + 1000 * overtakes)
+def test_same_order_as_the_python_reference(
+    aging_ms: int, lifo_ms: int, overtakes: int, oldest_first_ms: int
+) -> None:
+    rng = random.Random(aging_ms + 11 + 100 * lifo_ms + 1000 * overtakes + 7 * oldest_first_ms)
     bounds = [32, 128, 512]
     clock = ManualClock(1_000 * MS)
     core = BatchQueue(
@@ -176,15 +189,17 @@ def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int, overtak
             aging_interval_s=aging_ms / 1e3,
             lifo_after_s=lifo_ms / 1e3,
             affinity_max_overtakes=overtakes,
+            oldest_first_after_s=oldest_first_ms / 1e3,
             capacity=100_000,
         ),
         clock,
     )
-    ref = ReferenceQueue(3, bounds, aging_ms * MS, lifo_ms * MS, overtakes)
+    ref = ReferenceQueue(3, bounds, aging_ms * MS, lifo_ms * MS, overtakes, oldest_first_ms * MS)
     next_id = 0
     drained = 0
     waiting: set[int] = set()
     overtaken = 0  # pops whose order the preferred requests changed
+    held_back = 0  # pops whose order the oldest-first bound changed
     for round_ in range(300):
         # Bursts that outrun the pops, then lulls that drain them: levels turn newest-first
         # under a backlog and back to arrival order once it clears.
@@ -201,12 +216,18 @@ def test_same_order_as_the_python_reference(aging_ms: int, lifo_ms: int, overtak
         preferred += [*preferred[:1], next_id + 7]
         rng.shuffle(preferred)
         plain = copy.deepcopy(ref).pop_batch(max_req, max_tok, clock.now_ns())
+        unbounded = copy.deepcopy(ref)
+        unbounded._oldest_first_after = 0
+        unbounded_order = unbounded.pop_batch(max_req, max_tok, clock.now_ns(), preferred)
         expected = ref.pop_batch(max_req, max_tok, clock.now_ns(), preferred)
         assert core.pop_batch(max_req, max_tok, preferred=preferred).admitted == expected
         overtaken += expected != plain
+        held_back += expected != unbounded_order
         waiting -= set(expected)
         drained += round_ > 20 and len(ref) == 0
     assert len(core) == len(ref)
     assert drained, "the lulls never cleared the backlog: arrival order after LIFO is untested"
     # With no overtake limit the preferred requests change nothing.
     assert overtaken > 10 if overtakes else overtaken == 0
+    # The bound matters only where something overtakes: newest first or a preference.
+    assert held_back > 5 if oldest_first_ms and (lifo_ms or overtakes) else held_back == 0

@@ -197,6 +197,28 @@ def test_negative_seconds_are_refused(flag: str, capsys: pytest.CaptureFixture[s
     assert "expected seconds >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--batch-window-ms",
+        "--max-wait-ms",
+        "--aging-interval-ms",
+        "--lifo-after-ms",
+        "--oldest-first-after-ms",
+    ],
+)
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_bad_queue_durations_are_refused_before_the_engine_loads(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pyserver.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", flag, value])
+    assert exit_.value.code == 2
+    assert "expected milliseconds >= 0" in capsys.readouterr().err
+
+
 def test_a_negative_prefix_affinity_is_refused_before_the_engine_loads(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
