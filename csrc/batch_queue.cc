@@ -66,6 +66,9 @@ static QueueConfig checked(QueueConfig c) {
       c.lifo_after_ns < 0 || c.oldest_first_after_ns < 0)
     throw std::invalid_argument(
         "batch_window, max_wait, aging_interval, lifo_after and oldest_first_after must be >= 0");
+  if (c.oldest_first_after_ns > 0 && c.oldest_first_after_ns <= c.lifo_after_ns)
+    throw std::invalid_argument(
+        "oldest_first_after must be above lifo_after, or 0 (newest first would never act)");
   if (c.affinity_max_overtakes < 0)
     throw std::invalid_argument("affinity_max_overtakes must be >= 0 (0 = no preference)");
   return c;

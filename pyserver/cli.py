@@ -80,21 +80,33 @@ def _count(text: str | int) -> int:
     return value
 
 
-def _non_negative(unit: str) -> Callable[[str | float], float]:
+def _non_negative(unit: str, below: float = math.inf) -> Callable[[str | float], float]:
     def parse(text: str | float) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not 0 <= value < math.inf:  # also NaN
-            raise argparse.ArgumentTypeError(f"expected {unit} >= 0, got {text!r}")
+        if not 0 <= value < below:  # also NaN
+            bound = "" if below == math.inf else f" and < {below:g}"
+            raise argparse.ArgumentTypeError(f"expected {unit} >= 0{bound}, got {text!r}")
         return value
 
     return parse
 
 
+def _signed_milliseconds(text: str | float) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not abs(value) < _MAX_MS:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected milliseconds (negative: never), got {text!r}")
+    return value
+
+
+_MAX_MS = 1e12  # ~31 years: the queue keeps durations as int64 nanoseconds (up to ~292 years)
 _seconds = _non_negative("seconds")
-_milliseconds = _non_negative("milliseconds")
+_milliseconds = _non_negative("milliseconds", below=_MAX_MS)
 
 
 def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
@@ -214,7 +226,7 @@ def _serve_parser(sub: Any) -> None:
     _add(
         p,
         "--preempt-after-ms",
-        float,
+        _signed_milliseconds,
         0.0,
         "stop the lowest-priority running request when a top-priority one has waited this long "
         "and the engine is full (negative: never)",
@@ -451,10 +463,21 @@ def _adapters(pairs: list[tuple[str, str]]) -> dict[str, str]:
     return adapters
 
 
+def _check_queue_order(args: argparse.Namespace) -> None:
+    # The queue refuses this too, but only once the engine has loaded.
+    if 0 < args.oldest_first_after_ms <= args.lifo_after_ms:
+        raise UsageError(
+            f"--oldest-first-after-ms ({args.oldest_first_after_ms:g}) must be above "
+            f"--lifo-after-ms ({args.lifo_after_ms:g}), or 0: a level turns newest first only "
+            "when its oldest call is overdue, so newest first would never act"
+        )
+
+
 def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    _check_queue_order(args)
     _prepare_engine_env(args)  # before anything (the model conversion) loads torch
     model = args.model
     if not model:

@@ -60,7 +60,7 @@ class ServerSettings:
     aging_interval_s: float = 2.0
     lifo_after_s: float = 1.0  # a level whose oldest waited this long is served newest first
     prefix_affinity: int = 8  # resident-prefix requests may pass the next in line this often
-    oldest_first_after_s: float = 60.0  # a request waiting this long is overtaken by none
+    oldest_first_after_s: float = 60.0  # newer requests pass a waiting one this long at most
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption
     reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use

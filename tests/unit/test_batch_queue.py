@@ -146,6 +146,7 @@ def test_keyword_and_positional_push_agree() -> None:
         ({"level_capacity": [1]}, "one entry per priority level"),
         ({"max_wait_s": -1.0}, "must be >= 0"),
         ({"lifo_after_s": -1.0}, "must be >= 0"),
+        ({"lifo_after_s": 2.0, "oldest_first_after_s": 2.0}, "must be above lifo_after"),
     ],
 )
 def test_bad_config_raises_value_error(kw: dict[str, object], message: str) -> None:
@@ -174,6 +175,7 @@ def test_bad_timeout_raises_value_error() -> None:
         (0, 2, 0, 6),
         (0, 0, 4, 3),
         (9, 1, 4, 5),
+        (5, 0, 0, 2),
     ],
 )
 def test_same_order_as_the_python_reference(

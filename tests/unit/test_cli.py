@@ -207,7 +207,7 @@ def test_negative_seconds_are_refused(flag: str, capsys: pytest.CaptureFixture[s
         "--oldest-first-after-ms",
     ],
 )
-@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+@pytest.mark.parametrize("value", ["-1", "nan", "soon", "1e13"])
 def test_bad_queue_durations_are_refused_before_the_engine_loads(
     flag: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -217,6 +217,34 @@ def test_bad_queue_durations_are_refused_before_the_engine_loads(
         main(["serve", flag, value])
     assert exit_.value.code == 2
     assert "expected milliseconds >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "later"])
+def test_a_preemption_delay_must_be_a_number(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pyserver.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--preempt-after-ms", value])
+    assert exit_.value.code == 2
+    assert "expected milliseconds (negative: never)" in capsys.readouterr().err
+
+
+def test_an_oldest_first_bound_at_or_below_lifo_after_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pyserver import cli
+
+    # Refused before anything loads: the engine set-up must not be reached.
+    monkeypatch.setattr(cli, "_prepare_engine_env", _must_not_run)
+    argv = ["serve", "--lifo-after-ms", "5000", "--oldest-first-after-ms", "5000"]
+    assert cli.main(argv) == 2
+    assert "must be above --lifo-after-ms" in capsys.readouterr().err
+
+
+def _must_not_run(*_: object) -> None:
+    raise AssertionError("the engine set-up ran")
 
 
 def test_a_negative_prefix_affinity_is_refused_before_the_engine_loads(
