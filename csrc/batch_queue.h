@@ -26,8 +26,10 @@
 //      Facebook's "Fail at Scale"), so under overload the requests that still have their
 //      whole deadline are served while the old ones, likely past what their callers wait
 //      for, give way; requests put back by requeue() still go first. A request that has
-//      waited oldest_first_after_ns goes before every newer one there (oldest first again):
-//      a caller with no deadline, or a long one, is held back that long at most.
+//      waited oldest_first_after_ns (overdue) goes before the newer ones of its FIFO again,
+//      oldest first: newer requests pass a caller with no deadline, or a long one, for that
+//      long at most (then it waits only for older overdue requests, higher levels and, with
+//      length buckets, a nearer bucket's requests until it is the head itself: one pop).
 // A pop may name preferred requests (the caller's choice: those whose prompt prefix the
 // engine still holds in its prefix cache). A preferred request goes before every other one of
 // its effective priority or lower, oldest first, except that the request the order above
@@ -38,7 +40,8 @@
 // head request is the first by (effective priority, arrival order). A request costs
 // prompt_tokens + max_new_tokens (its KV footprint at the end) against the token budget; the
 // batch stops at the first request that does not fit, so in arrival order a large request is
-// never overtaken forever by smaller ones behind it (newest first, until the backlog clears).
+// never overtaken forever by smaller ones behind it (newest first, until the backlog clears or
+// it is overdue; an overdue request that does not fit stops the batch like any head).
 #pragma once
 
 #include <atomic>
