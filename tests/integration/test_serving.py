@@ -116,7 +116,11 @@ def test_an_overloaded_level_is_served_newest_first(engine_server) -> None:  # t
     """Adaptive LIFO on the real engine: once the oldest waiting call has waited lifo_after,
     the calls sent after it enter the engine first, newest first; the old one still runs."""
     seqs = engine_server.worker.max_num_seqs
-    lifo_after_s = engine_server.server.settings.lifo_after_s
+    settings = engine_server.server.settings
+    lifo_after_s = settings.lifo_after_s
+    # The bound on newest-first order reaches the queue, far above what this test waits.
+    oldest_first_ns = engine_server.worker.queue.config.oldest_first_after_ns
+    assert oldest_first_ns == round(settings.oldest_first_after_s * 1e9) > 30e9
     s = stub(engine_server.target)
     with ThreadPoolExecutor(24) as pool:
         # Staggered lengths: the engine frees one slot at a time, so the admission order shows.
