@@ -80,6 +80,9 @@ def _count(text: str | int) -> int:
     return value
 
 
+_MAX_MS = 1e12  # ~31 years: the queue keeps durations as int64 nanoseconds (up to ~292 years)
+
+
 def _non_negative(unit: str, below: float = math.inf) -> Callable[[str | float], float]:
     def parse(text: str | float) -> float:
         try:
@@ -104,7 +107,6 @@ def _signed_milliseconds(text: str | float) -> float:
     return value
 
 
-_MAX_MS = 1e12  # ~31 years: the queue keeps durations as int64 nanoseconds (up to ~292 years)
 _seconds = _non_negative("seconds")
 _milliseconds = _non_negative("milliseconds", below=_MAX_MS)
 
@@ -303,8 +305,9 @@ def _serve_parser(sub: Any) -> None:
         "--oldest-first-after-ms",
         _milliseconds,
         60000.0,
-        "a waiting request that has waited this long goes before every newer one of its level: "
-        "bounds how long newest-first order and --prefix-affinity hold a call back (0: no bound)",
+        "a waiting request that has waited this long goes before the newer ones of its level: "
+        "bounds how long newest-first order and --prefix-affinity pass a call over (0: no bound; "
+        "else above --lifo-after-ms)",
     )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
