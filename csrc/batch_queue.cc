@@ -68,7 +68,8 @@ static QueueConfig checked(QueueConfig c) {
         "batch_window, max_wait, aging_interval, lifo_after and oldest_first_after must be >= 0");
   if (c.oldest_first_after_ns > 0 && c.oldest_first_after_ns <= c.lifo_after_ns)
     throw std::invalid_argument(
-        "oldest_first_after must be above lifo_after, or 0 (newest first would never act)");
+        "oldest_first_after must be above lifo_after, or 0 (at or below it, the bound would "
+        "end newest-first order as soon as it begins)");
   if (c.affinity_max_overtakes < 0)
     throw std::invalid_argument("affinity_max_overtakes must be >= 0 (0 = no preference)");
   return c;

@@ -98,7 +98,7 @@ struct QueueConfig {
   Nanos max_wait_ns = 50'000'000;           // the seed's 50 ms
   Nanos aging_interval_ns = 0;              // 0: no aging
   Nanos lifo_after_ns = 0;                  // 0: always arrival order (see "Order" above)
-  Nanos oldest_first_after_ns = 0;          // a request waiting this long is overtaken by none; 0: off
+  Nanos oldest_first_after_ns = 0;          // newer requests pass a waiting one this long at most; 0: off
   std::int64_t affinity_max_overtakes = 0;  // preferred requests that may pass one; 0: off
   bool release_on_urgent = true;
 };

@@ -102,8 +102,10 @@ def _signed_milliseconds(text: str | float) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not abs(value) < _MAX_MS:  # also NaN
-        raise argparse.ArgumentTypeError(f"expected milliseconds (negative: never), got {text!r}")
+    if math.isnan(value) or value >= _MAX_MS:  # every negative value means never
+        raise argparse.ArgumentTypeError(
+            f"expected milliseconds < {_MAX_MS:g} (negative: never), got {text!r}"
+        )
     return value
 
 
@@ -471,8 +473,8 @@ def _check_queue_order(args: argparse.Namespace) -> None:
     if 0 < args.oldest_first_after_ms <= args.lifo_after_ms:
         raise UsageError(
             f"--oldest-first-after-ms ({args.oldest_first_after_ms:g}) must be above "
-            f"--lifo-after-ms ({args.lifo_after_ms:g}), or 0: a level turns newest first only "
-            "when its oldest call is overdue, so newest first would never act"
+            f"--lifo-after-ms ({args.lifo_after_ms:g}), or 0: at or below it, the bound would end "
+            "newest-first order as soon as it begins"
         )
 
 
