@@ -1,12 +1,12 @@
 """Pure-Python reference of the BatchQueue admission policy (csrc/batch_queue.h), heapq-based.
 
 It implements the same order (effective priority with aging, head bucket then nearest buckets,
-arrival order: oldest first, newest first in a level past lifo_after_ns except for a request
-that waited oldest_first_after_ns; preferred requests first within their level, the request
-next in line passed over at most affinity_max_overtakes times and never once it waited
-oldest_first_after_ns) and the same token-budget rule, without the blocking and release-rule
-machinery; the benchmark measures the C++ core against it and the tests check both produce the
-same order.
+arrival order: oldest first, newest first in a level past lifo_after_ns whose backlog is more
+than lifo_backlog_ns of admissions, except for a request that waited oldest_first_after_ns;
+preferred requests first within their level, the request next in line passed over at most
+affinity_max_overtakes times and never once it waited oldest_first_after_ns) and the same
+token-budget rule, without the blocking, release-rule and requeue machinery; the benchmark
+measures the C++ core against it and the tests check both produce the same order.
 """
 
 from __future__ import annotations
@@ -37,8 +37,13 @@ class ReferenceQueue:
         lifo_after_ns: int = 0,
         affinity_max_overtakes: int = 0,
         oldest_first_after_ns: int = 0,
+        lifo_backlog_ns: int = 0,
+        created_ns: int = 0,
     ) -> None:
         self._lifo_after = lifo_after_ns
+        self._lifo_backlog = lifo_backlog_ns
+        self._created = created_ns
+        self._admitted_ns: list[int] = []
         self._oldest_first_after = oldest_first_after_ns
         self._max_overtakes = affinity_max_overtakes
         self._levels = priority_levels
@@ -68,13 +73,31 @@ class ReferenceQueue:
         limit = self._oldest_first_after
         return limit > 0 and now_ns - e.enqueued_ns >= limit
 
+    def _backlog_standing(self, level: int, now_ns: int) -> bool:
+        horizon = self._lifo_backlog
+        if horizon <= 0:
+            return True
+        self._admitted_ns = [t for t in self._admitted_ns if t > now_ns - horizon]
+        backlog = sum(len(h) for i, h in enumerate(self._heaps) if i // self._buckets >= level)
+        window = min(horizon, now_ns - self._created)
+        return float(backlog) * float(window) > float(len(self._admitted_ns)) * float(horizon)
+
     def pop_batch(
         self, max_requests: int, max_tokens: int, now_ns: int, preferred: Iterable[int] = ()
+    ) -> list[int]:
+        out = self._select(max_requests, max_tokens, now_ns, preferred)
+        if self._lifo_backlog > 0:
+            self._admitted_ns += [now_ns] * len(out)
+        return out
+
+    def _select(
+        self, max_requests: int, max_tokens: int, now_ns: int, preferred: Iterable[int]
     ) -> list[int]:
         lifo = [False] * self._levels
         for i, h in enumerate(self._heaps):
             if h and self._lifo_after and now_ns - h[0][1].enqueued_ns >= self._lifo_after:
                 lifo[i // self._buckets] = True
+        lifo = [on and self._backlog_standing(p, now_ns) for p, on in enumerate(lifo)]
 
         def candidate(i: int) -> tuple[_Entry, tuple[int, int], int]:
             """The entry taken next from heap i, its arrival-order key (smaller first; a

@@ -63,9 +63,10 @@ static QueueConfig checked(QueueConfig c) {
   if (c.max_batch_requests < 1) throw std::invalid_argument("max_batch_requests must be >= 1");
   if (c.max_batch_tokens < 1) throw std::invalid_argument("max_batch_tokens must be >= 1");
   if (c.batch_window_ns < 0 || c.max_wait_ns < 0 || c.aging_interval_ns < 0 ||
-      c.lifo_after_ns < 0 || c.oldest_first_after_ns < 0)
+      c.lifo_after_ns < 0 || c.oldest_first_after_ns < 0 || c.lifo_backlog_ns < 0)
     throw std::invalid_argument(
-        "batch_window, max_wait, aging_interval, lifo_after and oldest_first_after must be >= 0");
+        "batch_window, max_wait, aging_interval, lifo_after, oldest_first_after and "
+        "lifo_backlog must be >= 0");
   if (c.oldest_first_after_ns > 0 && c.oldest_first_after_ns <= c.lifo_after_ns)
     throw std::invalid_argument(
         "oldest_first_after must be above lifo_after, or 0 (at or below it, the bound would "
@@ -82,7 +83,8 @@ BatchQueue::BatchQueue(QueueConfig config, std::shared_ptr<const Clock> clock)
       fifos_(static_cast<size_t>(config_.priority_levels) * bucket_count_),
       level_size_(static_cast<size_t>(config_.priority_levels), 0),
       depth_(fifos_.size(), 0),
-      tombstones_(fifos_.size(), 0) {
+      tombstones_(fifos_.size(), 0),
+      created_ns_(clock_->now_ns()) {
   counters_.released.assign(kReleaseReasonCount, 0);
   entries_.reserve(static_cast<size_t>(std::min<std::int64_t>(config_.capacity, 1 << 16)));
 }
@@ -240,6 +242,30 @@ bool BatchQueue::takes_back_locked(size_t index, Nanos now) const {
          !overdue(q.front().enqueued_ns, now);
 }
 
+void BatchQueue::forget_admissions_before_locked(Nanos now) {
+  while (!admitted_ns_.empty() && admitted_ns_.front() <= now - config_.lifo_backlog_ns)
+    admitted_ns_.pop_front();
+}
+
+void BatchQueue::note_admissions_locked(size_t count, Nanos now) {
+  if (config_.lifo_backlog_ns <= 0) return;
+  admitted_ns_.insert(admitted_ns_.end(), count, now);
+  forget_admissions_before_locked(now);
+}
+
+bool BatchQueue::backlog_standing_locked(int p, Nanos now) {
+  const Nanos horizon = config_.lifo_backlog_ns;
+  if (horizon <= 0) return true;
+  forget_admissions_before_locked(now);
+  std::int64_t backlog = 0;
+  for (int q = p; q < config_.priority_levels; ++q) backlog += level_size_[static_cast<size_t>(q)];
+  // backlog / rate > horizon, with rate = admissions / window; in doubles (as the Python
+  // reference computes it) since window * backlog can pass 2^63 ns.
+  const Nanos window = std::min(horizon, now - created_ns_);
+  return static_cast<double>(backlog) * static_cast<double>(window) >
+         static_cast<double>(admitted_ns_.size()) * static_cast<double>(horizon);
+}
+
 std::uint64_t BatchQueue::order_key(std::uint64_t seq, bool newest_first) {
   // Requeued requests keep their (small) seq; arrivals in a LIFO level map to a key that
   // falls as seq grows, above every requeued seq: kFirstSeq + (max - seq) cannot overflow.
@@ -356,6 +382,8 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
           break;
         }
       }
+      if (lifo_level_[static_cast<size_t>(p)] != 0 && !backlog_standing_locked(p, now))
+        lifo_level_[static_cast<size_t>(p)] = 0;
     }
   }
   // Each FIFO's key: (effective priority desc, bucket distance, bucket, arrival order) of the
@@ -507,6 +535,7 @@ PopResult BatchQueue::pop_batch(std::int64_t max_requests, std::int64_t max_toke
         urgent_pending_ = false;
         window_start_ns_ = entries_.empty() ? -1 : now;
         counters_.admitted += static_cast<std::int64_t>(result.admitted.size());
+        note_admissions_locked(result.admitted.size(), now);
         break;
       }
       budget_blocked = true;

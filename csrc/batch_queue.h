@@ -25,7 +25,12 @@
 //      lifo_after_ns or more (overload): there the newest first (adaptive LIFO, as in
 //      Facebook's "Fail at Scale"), so under overload the requests that still have their
 //      whole deadline are served while the old ones, likely past what their callers wait
-//      for, give way; requests put back by requeue() still go first. A request that has
+//      for, give way; requests put back by requeue() still go first. With lifo_backlog_ns
+//      set, a level turns newest first only while its backlog (its waiting requests and
+//      those of the levels above) is more than the queue admitted in the last
+//      lifo_backlog_ns: a backlog that arrival order clears within that time (a burst while
+//      the engine keeps up) is served oldest first, since newest first would make its oldest
+//      requests wait until the whole backlog clears, longer than arrival order. A request that has
 //      waited oldest_first_after_ns (overdue) goes before the newer ones of its FIFO again,
 //      oldest first: newer requests pass a caller with no deadline, or a long one, for that
 //      long at most (then it waits only for older overdue requests, higher levels and, with
@@ -99,6 +104,7 @@ struct QueueConfig {
   Nanos aging_interval_ns = 0;              // 0: no aging
   Nanos lifo_after_ns = 0;                  // 0: always arrival order (see "Order" above)
   Nanos oldest_first_after_ns = 0;          // newer requests pass a waiting one this long at most; 0: off
+  Nanos lifo_backlog_ns = 0;                // newest first only for a backlog of more admissions than this long's; 0: any
   std::int64_t affinity_max_overtakes = 0;  // preferred requests that may pass one; 0: off
   bool release_on_urgent = true;
 };
@@ -237,6 +243,12 @@ class BatchQueue {
   [[nodiscard]] bool overdue(Nanos enqueued_ns, Nanos now) const {
     return config_.oldest_first_after_ns > 0 && now - enqueued_ns >= config_.oldest_first_after_ns;
   }
+  // True when level p's backlog (live requests at p and above) is more than the queue admits
+  // in lifo_backlog_ns at the rate of the last lifo_backlog_ns (or of the time since it was
+  // created, if shorter), and always when lifo_backlog_ns is 0.
+  [[nodiscard]] bool backlog_standing_locked(int p, Nanos now);
+  void note_admissions_locked(size_t count, Nanos now);
+  void forget_admissions_before_locked(Nanos now);  // those at or before now - lifo_backlog_ns
   [[nodiscard]] static std::uint64_t order_key(std::uint64_t seq, bool newest_first);
   void expire_locked(Nanos now, std::vector<RequestId>& out);
   [[nodiscard]] bool release_reason_locked(Nanos now, std::int64_t max_requests,
@@ -264,6 +276,8 @@ class BatchQueue {
   std::vector<char> lifo_level_;  // scratch of select_locked: level served newest first
   std::vector<Preferred> preferred_;  // scratch of select_locked, best first
   std::int64_t queued_tokens_ = 0;
+  const Nanos created_ns_;
+  std::deque<Nanos> admitted_ns_;  // admission times within the last lifo_backlog_ns (when set)
   // Arrivals take increasing sequence numbers from the middle of the range, requeued requests
   // decreasing ones below it, so a requeued request sorts before every arrival.
   static constexpr std::uint64_t kFirstSeq = std::uint64_t{1} << 62;

@@ -45,6 +45,7 @@ class QueueConfig:
     aging_interval_ns: int
     lifo_after_ns: int
     oldest_first_after_ns: int
+    lifo_backlog_ns: int
     affinity_max_overtakes: int
     release_on_urgent: bool
     def __init__(self) -> None: ...

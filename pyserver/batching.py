@@ -46,6 +46,7 @@ def make_config(
     lifo_after_s: float = 0.0,
     affinity_max_overtakes: int = 0,
     oldest_first_after_s: float = 0.0,
+    lifo_backlog_s: float = 0.0,
     release_on_urgent: bool = True,
 ) -> QueueConfig:
     """A QueueConfig with durations in seconds; the constructor of BatchQueue validates it."""
@@ -62,5 +63,6 @@ def make_config(
     config.lifo_after_ns = round(lifo_after_s * _NS)
     config.affinity_max_overtakes = affinity_max_overtakes
     config.oldest_first_after_ns = round(oldest_first_after_s * _NS)
+    config.lifo_backlog_ns = round(lifo_backlog_s * _NS)
     config.release_on_urgent = release_on_urgent
     return config

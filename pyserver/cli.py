@@ -296,6 +296,15 @@ def _serve_parser(sub: Any) -> None:
     )
     _add(
         p,
+        "--lifo-backlog-ms",
+        _milliseconds,
+        10000.0,
+        "newest first only while a level's backlog (its waiting requests and those above it) "
+        "is more than the queue admits in this long at its rate over the last this long: a "
+        "backlog that arrival order clears that soon is served oldest first (0: any backlog)",
+    )
+    _add(
+        p,
         "--prefix-affinity",
         _count,
         8,
@@ -535,6 +544,7 @@ def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
         lifo_after_s=args.lifo_after_ms / 1e3,
         prefix_affinity=args.prefix_affinity,
         oldest_first_after_s=args.oldest_first_after_ms / 1e3,
+        lifo_backlog_s=args.lifo_backlog_ms / 1e3,
         level_capacity=args.level_capacity,
         level_queue_timeout_ms=args.level_queue_timeout_ms,
         reserved_top_slots=args.reserved_top_slots,

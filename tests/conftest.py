@@ -22,6 +22,9 @@ ENGINE_SEQS = 8
 # Longer than any queue wait the other tests make, so only the test of the overload order
 # (which waits past it on purpose) sees a level served newest first.
 LIFO_AFTER_S = 6.0
+# Below what the test of the overload order waits, so the admissions that filled the engine
+# before its backlog formed have left the window when a slot frees (the default is 10 s).
+LIFO_BACKLOG_S = 2.0
 QUEUE_CAPACITY = 24
 
 
@@ -105,6 +108,7 @@ def _run_server(separate_process: bool) -> Iterator[LiveServer]:
         queue_capacity=QUEUE_CAPACITY,
         aging_interval_s=60.0,
         lifo_after_s=LIFO_AFTER_S,
+        lifo_backlog_s=LIFO_BACKLOG_S,
         deadline_admission="on",  # the refusal tests need it acting (the default is shadow)
         metrics_port=0,
         trace_engine_steps=1.0,

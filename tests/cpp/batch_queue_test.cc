@@ -536,3 +536,44 @@ TEST(BatchQueue, OverdueRequestIsNeverPassedOver) {
   EXPECT_EQ(q.pop_batch(1, 1000, 0, {2}).admitted, (std::vector<RequestId>{1}));
   EXPECT_EQ(q.pop_batch(1, 1000, 0, {}).admitted, (std::vector<RequestId>{2}));
 }
+
+TEST(BatchQueue, NewestFirstOnlyForABacklogArrivalOrderCannotClearSoon) {
+  Fixture f;
+  f.config.lifo_after_ns = 100 * kMs;
+  f.config.lifo_backlog_ns = 1'000 * kMs;
+  auto q = f.make();
+  f.clock->advance_ns(1'000 * kMs);
+  for (RequestId i = 1; i <= 4; ++i) push_ok(q, i, 10);
+  EXPECT_EQ(q.pop_batch(4, 1000, 0).admitted.size(), 4u);
+  for (RequestId i = 11; i <= 14; ++i) push_ok(q, i, 10);
+  f.clock->advance_ns(500 * kMs);
+  // The oldest waited 500 ms, but the 4 waiting are no more than the 4 admitted in the last
+  // second: arrival order clears them within a second, so it stays.
+  EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{11}));
+  for (RequestId i = 15; i <= 17; ++i) push_ok(q, i, 10);
+  // 6 waiting, 5 admitted in the last second: newest first.
+  EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{17}));
+  // 600 ms on, only the 2 admissions of 600 ms ago are in the last second: 5 waiting are
+  // still more; after those two, 3 waiting are fewer than the 4 admitted: arrival order.
+  f.clock->advance_ns(600 * kMs);
+  EXPECT_EQ(q.pop_batch(2, 1000, 0).admitted, (std::vector<RequestId>{16, 15}));
+  EXPECT_EQ(q.pop_batch(2, 1000, 0).admitted, (std::vector<RequestId>{12, 13}));
+}
+
+TEST(BatchQueue, HigherLevelsCountInALowerLevelsBacklog) {
+  Fixture f;
+  f.config.lifo_after_ns = 100 * kMs;
+  f.config.lifo_backlog_ns = 1'000 * kMs;
+  auto q = f.make();
+  f.clock->advance_ns(1'000 * kMs);
+  for (RequestId i = 1; i <= 3; ++i) push_ok(q, i, 10);
+  EXPECT_EQ(q.pop_batch(3, 1000, 0).admitted.size(), 3u);  // 3 admitted in the last second
+  push_ok(q, 11, 10, 0);
+  push_ok(q, 12, 10, 0);
+  push_ok(q, 21, 10, 1);
+  push_ok(q, 22, 10, 1);
+  f.clock->advance_ns(500 * kMs);
+  // The high level's 2 clear within a second (arrival order); the low level waits behind
+  // them too: 4 in all, more than a second of admissions, so newest first.
+  EXPECT_EQ(q.pop_batch(4, 1000, 0).admitted, (std::vector<RequestId>{21, 22, 12, 11}));
+}

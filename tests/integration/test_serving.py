@@ -121,6 +121,10 @@ def test_an_overloaded_level_is_served_newest_first(engine_server) -> None:  # t
     # The bound on newest-first order reaches the queue, far above what this test waits.
     oldest_first_ns = engine_server.worker.queue.config.oldest_first_after_ns
     assert oldest_first_ns == round(settings.oldest_first_after_s * 1e9) > 30e9
+    # So does the backlog rule, short enough that the engine's filling is out of its window.
+    backlog_ns = engine_server.worker.queue.config.lifo_backlog_ns
+    assert backlog_ns == round(settings.lifo_backlog_s * 1e9) > 0
+    assert settings.lifo_backlog_s < lifo_after_s
     s = stub(engine_server.target)
     with ThreadPoolExecutor(24) as pool:
         # Staggered lengths: the engine frees one slot at a time, so the admission order shows.

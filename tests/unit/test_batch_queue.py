@@ -163,25 +163,31 @@ def test_bad_timeout_raises_value_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("aging_ms", "lifo_ms", "overtakes", "oldest_first_ms"),
+    ("aging_ms", "lifo_ms", "overtakes", "oldest_first_ms", "backlog_ms"),
     [
-        (0, 0, 0, 0),
-        (5, 0, 0, 0),
-        (0, 4, 0, 0),
-        (5, 2, 0, 0),
-        (0, 0, 3, 0),
-        (5, 0, 1, 0),
-        (5, 2, 4, 0),
-        (0, 2, 0, 6),
-        (0, 0, 4, 3),
-        (9, 1, 4, 5),
-        (5, 0, 0, 2),
+        (0, 0, 0, 0, 0),
+        (5, 0, 0, 0, 0),
+        (0, 4, 0, 0, 0),
+        (5, 2, 0, 0, 0),
+        (0, 0, 3, 0, 0),
+        (5, 0, 1, 0, 0),
+        (5, 2, 4, 0, 0),
+        (0, 2, 0, 6, 0),
+        (0, 0, 4, 3, 0),
+        (9, 1, 4, 5, 0),
+        (5, 0, 0, 2, 0),
+        (0, 2, 0, 0, 8),
+        (5, 1, 4, 0, 20),
+        (0, 2, 0, 6, 4),
+        (0, 0, 3, 0, 8),
     ],
 )
 def test_same_order_as_the_python_reference(
-    aging_ms: int, lifo_ms: int, overtakes: int, oldest_first_ms: int
+    aging_ms: int, lifo_ms: int, overtakes: int, oldest_first_ms: int, backlog_ms: int
 ) -> None:
-    rng = random.Random(aging_ms + 11 + 100 * lifo_ms + 1000 * overtakes + 7 * oldest_first_ms)
+    rng = random.Random(
+        aging_ms + 11 + 100 * lifo_ms + 1000 * overtakes + 7 * oldest_first_ms + 13 * backlog_ms
+    )
     bounds = [32, 128, 512]
     clock = ManualClock(1_000 * MS)
     core = BatchQueue(
@@ -192,16 +198,28 @@ def test_same_order_as_the_python_reference(
             lifo_after_s=lifo_ms / 1e3,
             affinity_max_overtakes=overtakes,
             oldest_first_after_s=oldest_first_ms / 1e3,
+            lifo_backlog_s=backlog_ms / 1e3,
             capacity=100_000,
         ),
         clock,
     )
-    ref = ReferenceQueue(3, bounds, aging_ms * MS, lifo_ms * MS, overtakes, oldest_first_ms * MS)
+    ref = ReferenceQueue(
+        3,
+        bounds,
+        aging_ms * MS,
+        lifo_ms * MS,
+        overtakes,
+        oldest_first_ms * MS,
+        lifo_backlog_ns=backlog_ms * MS,
+        created_ns=clock.now_ns(),
+    )
     next_id = 0
     drained = 0
     waiting: set[int] = set()
     overtaken = 0  # pops whose order the preferred requests changed
     held_back = 0  # pops whose order the oldest-first bound changed
+    kept_in_order = 0  # pops whose order the backlog rule changed
+    reordered = 0  # pops whose order newest-first changed
     for round_ in range(300):
         # Bursts that outrun the pops, then lulls that drain them: levels turn newest-first
         # under a backlog and back to arrival order once it clears.
@@ -221,10 +239,18 @@ def test_same_order_as_the_python_reference(
         unbounded = copy.deepcopy(ref)
         unbounded._oldest_first_after = 0
         unbounded_order = unbounded.pop_batch(max_req, max_tok, clock.now_ns(), preferred)
+        any_backlog = copy.deepcopy(ref)
+        any_backlog._lifo_backlog = 0
+        any_backlog_order = any_backlog.pop_batch(max_req, max_tok, clock.now_ns(), preferred)
+        arrival_order = copy.deepcopy(ref)
+        arrival_order._lifo_after = 0
+        arrival_order_pop = arrival_order.pop_batch(max_req, max_tok, clock.now_ns(), preferred)
         expected = ref.pop_batch(max_req, max_tok, clock.now_ns(), preferred)
         assert core.pop_batch(max_req, max_tok, preferred=preferred).admitted == expected
         overtaken += expected != plain
         held_back += expected != unbounded_order
+        kept_in_order += expected != any_backlog_order
+        reordered += expected != arrival_order_pop
         waiting -= set(expected)
         drained += round_ > 20 and len(ref) == 0
     assert len(core) == len(ref)
@@ -233,3 +259,7 @@ def test_same_order_as_the_python_reference(
     assert overtaken > 10 if overtakes else overtaken == 0
     # The bound matters only where something overtakes: newest first or a preference.
     assert held_back > 5 if oldest_first_ms and (lifo_ms or overtakes) else held_back == 0
+    # The backlog rule matters only where a level would turn newest first.
+    assert kept_in_order > 5 if backlog_ms and lifo_ms else kept_in_order == 0
+    # ... and leaves newest first acting where the backlog stands.
+    assert reordered > 5 if lifo_ms else reordered == 0

@@ -205,6 +205,7 @@ def test_negative_seconds_are_refused(flag: str, capsys: pytest.CaptureFixture[s
         "--aging-interval-ms",
         "--lifo-after-ms",
         "--oldest-first-after-ms",
+        "--lifo-backlog-ms",
     ],
 )
 @pytest.mark.parametrize("value", ["-1", "nan", "soon", "1e13"])
@@ -250,6 +251,8 @@ def test_an_oldest_first_bound_at_or_below_lifo_after_is_a_usage_error(
         [],
         ["--lifo-after-ms", "90000", "--oldest-first-after-ms", "0"],
         ["--lifo-after-ms", "0", "--oldest-first-after-ms", "1"],
+        ["--lifo-backlog-ms", "0"],
+        ["--lifo-backlog-ms", "250"],
         ["--preempt-after-ms", "-1"],
         ["--preempt-after-ms=-inf"],
     ],
