@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -113,15 +114,17 @@ def _fill_engine(engine_server, pool, n: int, max_tokens: int = 48):  # type: ig
 
 
 def test_an_overloaded_level_is_served_newest_first(engine_server) -> None:  # type: ignore[no-untyped-def]
-    """Adaptive LIFO on the real engine: once the oldest waiting call has waited lifo_after,
-    the calls sent after it enter the engine first, newest first; the old one still runs."""
+    """Adaptive LIFO on the real engine: once the oldest waiting call has waited lifo_after
+    and the backlog stands, the calls sent after it enter the engine first, newest first,
+    until what is left is a backlog the recent admissions clear; the old one still runs."""
     seqs = engine_server.worker.max_num_seqs
     settings = engine_server.server.settings
     lifo_after_s = settings.lifo_after_s
     # The bound on newest-first order reaches the queue, far above what this test waits.
     oldest_first_ns = engine_server.worker.queue.config.oldest_first_after_ns
     assert oldest_first_ns == round(settings.oldest_first_after_s * 1e9) > 30e9
-    # So does the backlog rule, short enough that the engine's filling is out of its window.
+    # So does the backlog rule, short enough that the admissions that filled the engine have
+    # left its window when the first slot frees.
     backlog_ns = engine_server.worker.queue.config.lifo_backlog_ns
     assert backlog_ns == round(settings.lifo_backlog_s * 1e9) > 0
     assert settings.lifo_backlog_s < lifo_after_s
@@ -151,11 +154,85 @@ def test_an_overloaded_level_is_served_newest_first(engine_server) -> None:  # t
             assert f.result(180).code == grpc.StatusCode.OK
     assert old_result.code == grpc.StatusCode.OK
     assert all(r.code == grpc.StatusCode.OK for r in results)
+    # Newest first while the backlog stands: 4 waiting, none admitted in the last
+    # lifo_backlog. Once the two newest have entered (one slot frees every few hundred ms),
+    # the two left are no more than those admissions: arrival order again, the old call first.
     admitted = [r.admitted_at for r in results]
-    assert admitted[2] < admitted[1] < admitted[0] < old_result.admitted_at, (
+    assert admitted[2] < admitted[1] < old_result.admitted_at < admitted[0], (
         admitted,
         old_result.admitted_at,
     )
+
+
+class _AdmissionRecorder:
+    """Stands in for the worker's queue and forwards every call to it, noting the low-priority
+    pushes and every admission: requests admitted in one pop share one timestamp, so only
+    the queue's own lists show their order."""
+
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+        self.low_pushed: list[int] = []
+        self.admitted: list[int] = []
+
+    def push(self, handle: int, prompt: int, new: int, priority: int, deadline: int) -> Any:
+        if priority == 0:
+            self.low_pushed.append(handle)
+        return self._queue.push(handle, prompt, new, priority, deadline)
+
+    def pop_batch(self, *args: Any) -> Any:
+        result = self._queue.pop_batch(*args)
+        self.admitted.extend(result.admitted)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+
+def test_a_backlog_the_engine_keeps_clearing_stays_in_arrival_order(engine_server) -> None:  # type: ignore[no-untyped-def]
+    """The backlog rule on the real engine: low calls wait past lifo_after behind a stream of
+    high calls that keeps every slot turning over, so the queue admits far more per
+    lifo_backlog than the few calls waiting: no standing backlog, and once the high stream
+    stops the low calls enter oldest first, not newest first."""
+    worker = engine_server.worker
+    lifo_after_s = engine_server.server.settings.lifo_after_s
+    s = stub(engine_server.target)
+    stop = threading.Event()
+    high_codes: list[grpc.StatusCode] = []
+
+    def high_client(i: int) -> None:
+        while not stop.is_set():
+            r = run_stream(s, request(f"Hi {i}", max_tokens=6, priority=1, ignore_eos=True))
+            high_codes.append(r.code)
+
+    seqs = worker.max_num_seqs
+    recorder = _AdmissionRecorder(worker.queue)
+    worker.queue = recorder
+    try:
+        with ThreadPoolExecutor(2 * seqs + 4) as pool:
+            # Twice as many high clients as slots: high calls wait for every slot that frees,
+            # even when a whole batch ends in one step, so no low call gets one meanwhile.
+            clients = [pool.submit(high_client, i) for i in range(2 * seqs)]
+            assert wait_until(lambda: len(worker._running) >= seqs, 30)
+            low = []
+            for i in range(3):
+                low.append(pool.submit(run_stream, s, request(f"Low {i}", max_tokens=4)))
+                assert wait_until(lambda n=i + 1: len(recorder.low_pushed) >= n, 10)
+                time.sleep(0.2)
+            time.sleep(lifo_after_s + 0.5)
+            stop.set()
+            for c in clients:
+                c.result(120)
+            results = [f.result(120) for f in low]
+    finally:
+        worker.queue = recorder._queue
+    assert high_codes and all(code == grpc.StatusCode.OK for code in high_codes)
+    assert all(r.code == grpc.StatusCode.OK for r in results), [r.details for r in results]
+    # The oldest waited past lifo_after (without the backlog rule its level was newest first)
+    # while the high stream went on being admitted.
+    assert results[0].last.timings.queue_ms / 1e3 >= lifo_after_s, results[0].last.timings
+    assert len(high_codes) > 2 * seqs, len(high_codes)
+    low_order = [h for h in recorder.admitted if h in recorder.low_pushed]
+    assert low_order == recorder.low_pushed, (low_order, recorder.low_pushed)
 
 
 def test_high_priority_is_admitted_before_earlier_low_priority(engine_server) -> None:  # type: ignore[no-untyped-def]
