@@ -86,7 +86,7 @@ class ReferenceQueue:
         self, max_requests: int, max_tokens: int, now_ns: int, preferred: Iterable[int] = ()
     ) -> list[int]:
         out = self._select(max_requests, max_tokens, now_ns, preferred)
-        if self._lifo_backlog > 0:
+        if self._lifo_backlog > 0 and self._lifo_after > 0:
             self._admitted_ns += [now_ns] * len(out)
         return out
 

@@ -67,6 +67,9 @@ static QueueConfig checked(QueueConfig c) {
     throw std::invalid_argument(
         "batch_window, max_wait, aging_interval, lifo_after, oldest_first_after and "
         "lifo_backlog must be >= 0");
+  if (c.lifo_backlog_ns > kMaxLifoBacklogNs)
+    throw std::invalid_argument(
+        "lifo_backlog must be at most 3600 s (the queue keeps each pop of that long)");
   if (c.oldest_first_after_ns > 0 && c.oldest_first_after_ns <= c.lifo_after_ns)
     throw std::invalid_argument(
         "oldest_first_after must be above lifo_after, or 0 (at or below it, the bound would "
@@ -243,13 +246,16 @@ bool BatchQueue::takes_back_locked(size_t index, Nanos now) const {
 }
 
 void BatchQueue::forget_admissions_before_locked(Nanos now) {
-  while (!admitted_ns_.empty() && admitted_ns_.front() <= now - config_.lifo_backlog_ns)
-    admitted_ns_.pop_front();
+  while (!recent_pops_.empty() && recent_pops_.front().at_ns <= now - config_.lifo_backlog_ns) {
+    recent_admitted_ -= recent_pops_.front().admitted;
+    recent_pops_.pop_front();
+  }
 }
 
 void BatchQueue::note_admissions_locked(size_t count, Nanos now) {
-  if (config_.lifo_backlog_ns <= 0) return;
-  admitted_ns_.insert(admitted_ns_.end(), count, now);
+  if (config_.lifo_backlog_ns <= 0 || config_.lifo_after_ns <= 0) return;  // nothing reads them
+  recent_pops_.push_back(RecentPop{now, static_cast<std::int64_t>(count)});
+  recent_admitted_ += static_cast<std::int64_t>(count);
   forget_admissions_before_locked(now);
 }
 
@@ -263,7 +269,7 @@ bool BatchQueue::backlog_standing_locked(int p, Nanos now) {
   // reference computes it) since window * backlog can pass 2^63 ns.
   const Nanos window = std::min(horizon, now - created_ns_);
   return static_cast<double>(backlog) * static_cast<double>(window) >
-         static_cast<double>(admitted_ns_.size()) * static_cast<double>(horizon);
+         static_cast<double>(recent_admitted_) * static_cast<double>(horizon);
 }
 
 std::uint64_t BatchQueue::order_key(std::uint64_t seq, bool newest_first) {

@@ -26,11 +26,16 @@
 //      Facebook's "Fail at Scale"), so under overload the requests that still have their
 //      whole deadline are served while the old ones, likely past what their callers wait
 //      for, give way; requests put back by requeue() still go first. With lifo_backlog_ns
-//      set, a level turns newest first only while its backlog (its waiting requests and
-//      those of the levels above) is more than the queue admitted in the last
-//      lifo_backlog_ns: a backlog that arrival order clears within that time (a burst while
-//      the engine keeps up) is served oldest first, since newest first would make its oldest
-//      requests wait until the whole backlog clears, longer than arrival order. A request that has
+//      set (at most kMaxLifoBacklogNs), a level is newest first only while its backlog (its
+//      waiting requests and those of the levels above, requeued ones included) is more than
+//      the queue admitted (re-admissions of requeued requests included) in the last
+//      lifo_backlog_ns, scaled to that span in the queue's first lifo_backlog_ns: a backlog
+//      that arrival order clears within that time (a burst while the engine keeps up) is
+//      served oldest first, since newest first would make its oldest requests wait until the
+//      whole backlog clears, longer than arrival order; and a level goes back to arrival order
+//      once what is left is within reach. The rate counts wall time, idle time included:
+//      after a lull it reads low and a burst counts as standing sooner. Each pop decides the
+//      order once, for its whole batch. A request that has
 //      waited oldest_first_after_ns (overdue) goes before the newer ones of its FIFO again,
 //      oldest first: newer requests pass a caller with no deadline, or a long one, for that
 //      long at most (then it waits only for older overdue requests, higher levels and, with
@@ -91,6 +96,8 @@ class ManualClock final : public Clock {
  private:
   std::atomic<Nanos> now_;
 };
+
+inline constexpr Nanos kMaxLifoBacklogNs = 3'600'000'000'000;  // 1 h
 
 struct QueueConfig {
   int priority_levels = 2;                  // levels 0..priority_levels-1; higher = more urgent
@@ -277,7 +284,13 @@ class BatchQueue {
   std::vector<Preferred> preferred_;  // scratch of select_locked, best first
   std::int64_t queued_tokens_ = 0;
   const Nanos created_ns_;
-  std::deque<Nanos> admitted_ns_;  // admission times within the last lifo_backlog_ns (when set)
+  // The pops of the last lifo_backlog_ns that admitted requests (when the rule can act).
+  struct RecentPop {
+    Nanos at_ns;
+    std::int64_t admitted;
+  };
+  std::deque<RecentPop> recent_pops_;
+  std::int64_t recent_admitted_ = 0;  // their sum
   // Arrivals take increasing sequence numbers from the middle of the range, requeued requests
   // decreasing ones below it, so a requeued request sorts before every arrival.
   static constexpr std::uint64_t kFirstSeq = std::uint64_t{1} << 62;

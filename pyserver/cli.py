@@ -300,8 +300,9 @@ def _serve_parser(sub: Any) -> None:
         _milliseconds,
         10000.0,
         "newest first only while a level's backlog (its waiting requests and those above it) "
-        "is more than the queue admits in this long at its rate over the last this long: a "
-        "backlog that arrival order clears that soon is served oldest first (0: any backlog)",
+        "is more than the queue admitted in the last this long (idle time counts: after a lull "
+        "a burst counts sooner): a backlog that arrival order clears that soon is served "
+        "oldest first (0: any backlog; at most one hour)",
     )
     _add(
         p,
@@ -477,8 +478,16 @@ def _adapters(pairs: list[tuple[str, str]]) -> dict[str, str]:
     return adapters
 
 
+_MAX_LIFO_BACKLOG_MS = 3_600_000.0  # the queue keeps each pop of that long
+
+
 def _check_queue_order(args: argparse.Namespace) -> None:
-    # The queue refuses this too, but only once the engine has loaded.
+    # The queue refuses these too, but only once the engine has loaded.
+    if args.lifo_backlog_ms > _MAX_LIFO_BACKLOG_MS:
+        raise UsageError(
+            f"--lifo-backlog-ms ({args.lifo_backlog_ms:.12g}) must be at most "
+            f"{_MAX_LIFO_BACKLOG_MS:.12g} (one hour)"
+        )
     if 0 < args.oldest_first_after_ms <= args.lifo_after_ms:
         raise UsageError(
             f"--oldest-first-after-ms ({args.oldest_first_after_ms:g}) must be above "

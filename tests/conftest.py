@@ -22,9 +22,10 @@ ENGINE_SEQS = 8
 # Longer than any queue wait the other tests make, so only the test of the overload order
 # (which waits past it on purpose) sees a level served newest first.
 LIFO_AFTER_S = 6.0
-# Below what the test of the overload order waits, so the admissions that filled the engine
-# before its backlog formed have left the window when a slot frees (the default is 10 s).
-LIFO_BACKLOG_S = 2.0
+# Below what the test of the overload order waits (LIFO_AFTER_S + 0.5), so the admissions
+# that filled the engine have left the window when a slot frees, and long enough for the
+# admissions of those tests to stay in it on a slow machine (the default is 10 s).
+LIFO_BACKLOG_S = 4.0
 QUEUE_CAPACITY = 24
 
 

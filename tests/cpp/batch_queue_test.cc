@@ -577,3 +577,29 @@ TEST(BatchQueue, HigherLevelsCountInALowerLevelsBacklog) {
   // them too: 4 in all, more than a second of admissions, so newest first.
   EXPECT_EQ(q.pop_batch(4, 1000, 0).admitted, (std::vector<RequestId>{21, 22, 12, 11}));
 }
+
+TEST(BatchQueue, RequeuedRequestsCountInTheBacklogAndAsAdmissions) {
+  Fixture f;
+  f.config.lifo_after_ns = 100 * kMs;
+  f.config.lifo_backlog_ns = 1'000 * kMs;
+  auto q = f.make();
+  f.clock->advance_ns(1'000 * kMs);
+  push_ok(q, 1, 10);
+  push_ok(q, 2, 10);
+  EXPECT_EQ(q.pop_batch(2, 1000, 0).admitted.size(), 2u);  // 2 admitted in the last second
+  for (RequestId i = 11; i <= 13; ++i) push_ok(q, i, 10);
+  f.clock->advance_ns(500 * kMs);
+  ASSERT_EQ(q.requeue(100, 10, 1, 0, 0, f.clock->now_ns()).status, PushStatus::kAccepted);
+  // 4 waiting with the requeued one: newest first, but a requeued request resumes first.
+  EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{100}));
+  // Its re-admission counts: 3 waiting, 3 admitted in the last second, arrival order.
+  EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{11}));
+}
+
+TEST(BatchQueue, BacklogSpanIsBounded) {
+  QueueConfig c;
+  c.lifo_backlog_ns = kMaxLifoBacklogNs + 1;
+  EXPECT_THROW(BatchQueue{c}, std::invalid_argument);
+  c.lifo_backlog_ns = -1;
+  EXPECT_THROW(BatchQueue{c}, std::invalid_argument);
+}

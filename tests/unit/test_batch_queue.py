@@ -147,6 +147,8 @@ def test_keyword_and_positional_push_agree() -> None:
         ({"max_wait_s": -1.0}, "must be >= 0"),
         ({"lifo_after_s": -1.0}, "must be >= 0"),
         ({"lifo_after_s": 2.0, "oldest_first_after_s": 2.0}, "must be above lifo_after"),
+        ({"lifo_backlog_s": -1.0}, "lifo_backlog must be >= 0"),
+        ({"lifo_backlog_s": 3600.001}, "lifo_backlog must be at most 3600 s"),
     ],
 )
 def test_bad_config_raises_value_error(kw: dict[str, object], message: str) -> None:

@@ -232,6 +232,16 @@ def test_a_preemption_delay_must_be_a_number(
     assert "(negative: never)" in capsys.readouterr().err
 
 
+def test_a_backlog_span_over_an_hour_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pyserver import cli
+
+    monkeypatch.setattr(cli, "_prepare_engine_env", _must_not_run)
+    assert cli.main(["serve", "--lifo-backlog-ms", "3600001"]) == 2
+    assert "--lifo-backlog-ms (3600001) must be at most 3600000" in capsys.readouterr().err
+
+
 def test_an_oldest_first_bound_at_or_below_lifo_after_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -253,6 +263,7 @@ def test_an_oldest_first_bound_at_or_below_lifo_after_is_a_usage_error(
         ["--lifo-after-ms", "0", "--oldest-first-after-ms", "1"],
         ["--lifo-backlog-ms", "0"],
         ["--lifo-backlog-ms", "250"],
+        ["--lifo-backlog-ms", "3600000"],
         ["--preempt-after-ms", "-1"],
         ["--preempt-after-ms=-inf"],
     ],
