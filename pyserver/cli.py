@@ -478,15 +478,16 @@ def _adapters(pairs: list[tuple[str, str]]) -> dict[str, str]:
     return adapters
 
 
-_MAX_LIFO_BACKLOG_MS = 3_600_000.0  # the queue keeps each pop of that long
+_MAX_LIFO_BACKLOG_S = 3600.0  # the queue keeps each pop of that long
 
 
 def _check_queue_order(args: argparse.Namespace) -> None:
     # The queue refuses these too, but only once the engine has loaded.
-    if args.lifo_backlog_ms > _MAX_LIFO_BACKLOG_MS:
+    # In seconds, as the server passes it on: no millisecond value just above the limit
+    # rounds under it here and over it in the queue.
+    if args.lifo_backlog_ms / 1e3 > _MAX_LIFO_BACKLOG_S:
         raise UsageError(
-            f"--lifo-backlog-ms ({args.lifo_backlog_ms:.12g}) must be at most "
-            f"{_MAX_LIFO_BACKLOG_MS:.12g} (one hour)"
+            f"--lifo-backlog-ms ({args.lifo_backlog_ms:.12g}) must be at most 3600000 (one hour)"
         )
     if 0 < args.oldest_first_after_ms <= args.lifo_after_ms:
         raise UsageError(

@@ -238,8 +238,9 @@ def test_a_backlog_span_over_an_hour_is_a_usage_error(
     from pyserver import cli
 
     monkeypatch.setattr(cli, "_prepare_engine_env", _must_not_run)
-    assert cli.main(["serve", "--lifo-backlog-ms", "3600001"]) == 2
-    assert "--lifo-backlog-ms (3600001) must be at most 3600000" in capsys.readouterr().err
+    for span in ("3600001", "3600000.4"):
+        assert cli.main(["serve", "--lifo-backlog-ms", span]) == 2
+        assert f"--lifo-backlog-ms ({span}) must be at most 3600000" in capsys.readouterr().err
 
 
 def test_an_oldest_first_bound_at_or_below_lifo_after_is_a_usage_error(
