@@ -30,6 +30,21 @@ void push_ok(BatchQueue& q, RequestId id, std::int64_t prompt, int prio = 0, Nan
   ASSERT_EQ(q.push(id, prompt, max_new, prio, deadline).status, PushStatus::kAccepted) << id;
 }
 
+// Newest first after 100 ms of waiting, for a backlog of more than a second of admissions.
+Fixture backlog_fixture() {
+  Fixture f;
+  f.config.lifo_after_ns = 100 * kMs;
+  f.config.lifo_backlog_ns = 1'000 * kMs;
+  return f;
+}
+
+// One second after the queue began, requests 1..count enter it at once.
+void admit_at_one_second(Fixture& f, BatchQueue& q, RequestId count) {
+  f.clock->advance_ns(1'000 * kMs);
+  for (RequestId i = 1; i <= count; ++i) push_ok(q, i, 10);
+  ASSERT_EQ(q.pop_batch(count, 1000, 0).admitted.size(), static_cast<size_t>(count));
+}
+
 }  // namespace
 
 TEST(BatchQueue, PriorityFirstThenFifo) {
@@ -538,13 +553,9 @@ TEST(BatchQueue, OverdueRequestIsNeverPassedOver) {
 }
 
 TEST(BatchQueue, NewestFirstOnlyForABacklogArrivalOrderCannotClearSoon) {
-  Fixture f;
-  f.config.lifo_after_ns = 100 * kMs;
-  f.config.lifo_backlog_ns = 1'000 * kMs;
+  Fixture f = backlog_fixture();
   auto q = f.make();
-  f.clock->advance_ns(1'000 * kMs);
-  for (RequestId i = 1; i <= 4; ++i) push_ok(q, i, 10);
-  EXPECT_EQ(q.pop_batch(4, 1000, 0).admitted.size(), 4u);
+  admit_at_one_second(f, q, 4);
   for (RequestId i = 11; i <= 14; ++i) push_ok(q, i, 10);
   f.clock->advance_ns(500 * kMs);
   // The oldest waited 500 ms, but the 4 waiting are no more than the 4 admitted in the last
@@ -561,13 +572,9 @@ TEST(BatchQueue, NewestFirstOnlyForABacklogArrivalOrderCannotClearSoon) {
 }
 
 TEST(BatchQueue, HigherLevelsCountInALowerLevelsBacklog) {
-  Fixture f;
-  f.config.lifo_after_ns = 100 * kMs;
-  f.config.lifo_backlog_ns = 1'000 * kMs;
+  Fixture f = backlog_fixture();
   auto q = f.make();
-  f.clock->advance_ns(1'000 * kMs);
-  for (RequestId i = 1; i <= 3; ++i) push_ok(q, i, 10);
-  EXPECT_EQ(q.pop_batch(3, 1000, 0).admitted.size(), 3u);  // 3 admitted in the last second
+  admit_at_one_second(f, q, 3);  // 3 admitted in the last second
   push_ok(q, 11, 10, 0);
   push_ok(q, 12, 10, 0);
   push_ok(q, 21, 10, 1);
@@ -579,14 +586,9 @@ TEST(BatchQueue, HigherLevelsCountInALowerLevelsBacklog) {
 }
 
 TEST(BatchQueue, RequeuedRequestsCountInTheBacklogAndAsAdmissions) {
-  Fixture f;
-  f.config.lifo_after_ns = 100 * kMs;
-  f.config.lifo_backlog_ns = 1'000 * kMs;
+  Fixture f = backlog_fixture();
   auto q = f.make();
-  f.clock->advance_ns(1'000 * kMs);
-  push_ok(q, 1, 10);
-  push_ok(q, 2, 10);
-  EXPECT_EQ(q.pop_batch(2, 1000, 0).admitted.size(), 2u);  // 2 admitted in the last second
+  admit_at_one_second(f, q, 2);  // 2 admitted in the last second
   for (RequestId i = 11; i <= 13; ++i) push_ok(q, i, 10);
   f.clock->advance_ns(500 * kMs);
   ASSERT_EQ(q.requeue(100, 10, 1, 0, 0, f.clock->now_ns()).status, PushStatus::kAccepted);
