@@ -478,7 +478,7 @@ def _adapters(pairs: list[tuple[str, str]]) -> dict[str, str]:
     return adapters
 
 
-_MAX_LIFO_BACKLOG_S = 3600.0  # the queue keeps each pop of that long
+_MAX_LIFO_BACKLOG_S = 3600.0  # the queue's kMaxLifoBacklogNs: it keeps each pop of that long
 
 
 def _check_queue_order(args: argparse.Namespace) -> None:
