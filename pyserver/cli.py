@@ -298,7 +298,7 @@ def _serve_parser(sub: Any) -> None:
         p,
         "--lifo-backlog-ms",
         _milliseconds,
-        10000.0,
+        5000.0,
         "newest first only while a level's backlog (its waiting requests and those above it) "
         "is more than the queue admitted in the last this long (idle time counts: after a lull "
         "a burst counts sooner): a backlog that arrival order clears that soon is served "
