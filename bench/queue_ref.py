@@ -4,9 +4,11 @@ It implements the same order (effective priority with aging, head bucket then ne
 arrival order: oldest first, newest first in a level past lifo_after_ns whose backlog is more
 than lifo_backlog_ns of admissions, except for a request that waited oldest_first_after_ns;
 preferred requests first within their level, the request next in line passed over at most
-affinity_max_overtakes times and never once it waited oldest_first_after_ns) and the same
-token-budget rule, without the blocking, release-rule and requeue machinery; the benchmark
-measures the C++ core against it and the tests check both produce the same order.
+affinity_max_overtakes times and never once it waited oldest_first_after_ns), the same
+token-budget rule and the same cancel and requeue (a request put back goes first, counts in the
+backlog but never turns its level newest first, and is never passed over), without the blocking
+and release-rule machinery; the benchmark measures the C++ core against it and the tests check
+both produce the same order.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ReferenceQueue:
             [] for _ in range(priority_levels * self._buckets)
         ]
         self._seq = 0
+        self._front_seq = -1  # requeued requests: below every arrival, the latest lowest
 
     def push(
         self, id: int, prompt_tokens: int, max_new_tokens: int, priority: int, now_ns: int
@@ -62,6 +65,38 @@ class ReferenceQueue:
         entry = _Entry(id, prompt_tokens + max_new_tokens, priority, bucket, now_ns, self._seq)
         heapq.heappush(self._heaps[priority * self._buckets + bucket], (self._seq, entry))
         self._seq += 1
+
+    def requeue(
+        self,
+        id: int,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        priority: int,
+        enqueued_ns: int,
+        now_ns: int,
+    ) -> bool:
+        """False for an id already waiting (the C++ queue's DUPLICATE_ID)."""
+        if any(e.id == id for h in self._heaps for _, e in h):
+            return False
+        bucket = bisect.bisect_left(self._bounds, prompt_tokens)
+        h = self._heaps[priority * self._buckets + bucket]
+        # As the C++ FIFO: arrived no later than now nor than its current head.
+        since = min(enqueued_ns, now_ns)
+        if h:
+            since = min(since, h[0][1].enqueued_ns)
+        entry = _Entry(id, prompt_tokens + max_new_tokens, priority, bucket, since, self._front_seq)
+        heapq.heappush(h, (self._front_seq, entry))
+        self._front_seq -= 1
+        return True
+
+    def cancel(self, id: int) -> bool:
+        for h in self._heaps:
+            for item in h:
+                if item[1].id == id:
+                    h.remove(item)
+                    heapq.heapify(h)
+                    return True
+        return False
 
     def _effective(self, e: _Entry, now_ns: int) -> int:
         top = self._levels - 1
@@ -95,7 +130,11 @@ class ReferenceQueue:
     ) -> list[int]:
         lifo = [False] * self._levels
         for i, h in enumerate(self._heaps):
-            if h and self._lifo_after and now_ns - h[0][1].enqueued_ns >= self._lifo_after:
+            if not h or not self._lifo_after:
+                continue
+            # The oldest arrival decides: a requeued request's wait includes its running time.
+            oldest = h[0] if h[0][0] >= 0 else min((x for x in h if x[0] >= 0), default=None)
+            if oldest and now_ns - oldest[1].enqueued_ns >= self._lifo_after:
                 lifo[i // self._buckets] = True
         lifo = [on and self._backlog_standing(p, now_ns) for p, on in enumerate(lifo)]
 
@@ -105,7 +144,8 @@ class ReferenceQueue:
             heap's effective priority (its oldest entry's)."""
             h = self._heaps[i]
             eff = self._effective(h[0][1], now_ns)
-            if lifo[i // self._buckets] and not self._overdue(h[0][1], now_ns):
+            head = h[0][1]  # a requeued request, if any: it goes first either way
+            if lifo[i // self._buckets] and head.seq >= 0 and not self._overdue(head, now_ns):
                 newest = max(h)[1]
                 return newest, (1, -newest.seq), eff
             return h[0][1], (0, h[0][0]), eff
@@ -142,6 +182,7 @@ class ReferenceQueue:
                 if passed is None or (
                     best_key is not None
                     and -neg_eff >= -best_key[0]
+                    and passed.seq >= 0
                     and passed.overtaken < self._max_overtakes
                     and not self._overdue(passed, now_ns)
                 ):

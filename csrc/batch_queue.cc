@@ -163,7 +163,7 @@ PushResult BatchQueue::requeue(RequestId id, std::int64_t prompt_tokens,
     if (closed_) return {PushStatus::kClosed, "queue is closed"};
     if (entries_.count(id) != 0) return {PushStatus::kDuplicateId, "id is already queued"};
     const int bucket = bucket_of(prompt_tokens);
-    // The FIFO stays ordered by arrival: never claim to be older than its current head.
+    // The FIFO stays ordered by arrival: never claim to have arrived after its current head.
     const auto& q = fifo(priority, bucket);
     Nanos since = std::min(enqueued_ns, now);
     if (!q.empty()) since = std::min(since, q.front().enqueued_ns);

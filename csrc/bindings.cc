@@ -115,6 +115,9 @@ PYBIND11_MODULE(_core, m) {
       .def("advance", [](ManualClock& c, double s) { c.advance_ns(seconds_to_ns(s)); })
       .def("set_ns", &ManualClock::set_ns);
 
+  // The CLI checks the flag against it before the engine loads (the queue checks it after).
+  m.attr("MAX_LIFO_BACKLOG_NS") = kMaxLifoBacklogNs;
+
   py::class_<QueueConfig>(m, "QueueConfig")
       .def(py::init<>())
       .def_readwrite("priority_levels", &QueueConfig::priority_levels)

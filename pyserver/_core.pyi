@@ -33,6 +33,8 @@ class ManualClock(Clock):
     def advance(self, seconds: float) -> None: ...
     def set_ns(self, t: int) -> None: ...
 
+MAX_LIFO_BACKLOG_NS: int
+
 class QueueConfig:
     priority_levels: int
     capacity: int

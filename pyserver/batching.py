@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pyserver._core import (
+    MAX_LIFO_BACKLOG_NS,
     BatchQueue,
     Clock,
     ManualClock,
@@ -17,6 +18,7 @@ from pyserver._core import (
 )
 
 __all__ = [
+    "MAX_LIFO_BACKLOG_S",
     "BatchQueue",
     "Clock",
     "ManualClock",
@@ -30,6 +32,7 @@ __all__ = [
 ]
 
 _NS = 1_000_000_000
+MAX_LIFO_BACKLOG_S = MAX_LIFO_BACKLOG_NS / _NS  # the longest lifo_backlog_s BatchQueue takes
 
 
 def make_config(

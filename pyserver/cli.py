@@ -83,34 +83,32 @@ def _count(text: str | int) -> int:
 _MAX_MS = 1e12  # ~31 years: the queue keeps durations as int64 nanoseconds (up to ~292 years)
 
 
-def _non_negative(unit: str, below: float = math.inf) -> Callable[[str | float], float]:
+def _float_in(
+    unit: str, low: float = 0.0, high: float = math.inf, note: str = ""
+) -> Callable[[str | float], float]:
+    """A parser for a number in [low, high); NaN and text that is no number are refused."""
+    bounds = ([f">= {low:g}"] if low > -math.inf else []) + (
+        [f"< {high:g}"] if high < math.inf else []
+    )
+    wanted = f"{unit} {' and '.join(bounds)}{note}"
+
     def parse(text: str | float) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not 0 <= value < below:  # also NaN
-            bound = "" if below == math.inf else f" and < {below:g}"
-            raise argparse.ArgumentTypeError(f"expected {unit} >= 0{bound}, got {text!r}")
+        if not low <= value < high:  # also NaN
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
         return value
 
     return parse
 
 
-def _signed_milliseconds(text: str | float) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or value >= _MAX_MS:  # every negative value means never
-        raise argparse.ArgumentTypeError(
-            f"expected milliseconds < {_MAX_MS:g} (negative: never), got {text!r}"
-        )
-    return value
-
-
-_seconds = _non_negative("seconds")
-_milliseconds = _non_negative("milliseconds", below=_MAX_MS)
+_seconds = _float_in("seconds")
+_milliseconds = _float_in("milliseconds", high=_MAX_MS)
+_signed_milliseconds = _float_in(  # every negative value means never
+    "milliseconds", low=-math.inf, high=_MAX_MS, note=" (negative: never)"
+)
 
 
 def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
@@ -478,16 +476,16 @@ def _adapters(pairs: list[tuple[str, str]]) -> dict[str, str]:
     return adapters
 
 
-_MAX_LIFO_BACKLOG_S = 3600.0  # the queue's kMaxLifoBacklogNs: it keeps each pop of that long
-
-
 def _check_queue_order(args: argparse.Namespace) -> None:
+    from pyserver.batching import MAX_LIFO_BACKLOG_S
+
     # The queue refuses these too, but only once the engine has loaded.
     # In seconds, as the server passes it on: no millisecond value just above the limit
     # rounds under it here and over it in the queue.
-    if args.lifo_backlog_ms / 1e3 > _MAX_LIFO_BACKLOG_S:
+    if args.lifo_backlog_ms / 1e3 > MAX_LIFO_BACKLOG_S:
         raise UsageError(
-            f"--lifo-backlog-ms ({args.lifo_backlog_ms:.12g}) must be at most 3600000 (one hour)"
+            f"--lifo-backlog-ms ({args.lifo_backlog_ms:.12g}) must be at most "
+            f"{MAX_LIFO_BACKLOG_S * 1e3:.12g} ({MAX_LIFO_BACKLOG_S / 3600:g} h)"
         )
     if 0 < args.oldest_first_after_ms <= args.lifo_after_ms:
         raise UsageError(

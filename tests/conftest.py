@@ -24,7 +24,7 @@ ENGINE_SEQS = 8
 LIFO_AFTER_S = 6.0
 # Below what the test of the overload order waits (LIFO_AFTER_S + 0.5), so the admissions
 # that filled the engine have left the window when a slot frees, and long enough for the
-# admissions of those tests to stay in it on a slow machine (the default is 10 s).
+# admissions of those tests to stay in it on a slow machine (the default is 5 s).
 LIFO_BACKLOG_S = 4.0
 QUEUE_CAPACITY = 24
 

@@ -218,6 +218,9 @@ def test_same_order_as_the_python_reference(
     next_id = 0
     drained = 0
     waiting: set[int] = set()
+    pushed: dict[int, tuple[int, int, int, int]] = {}  # id: prompt, new tokens, level, when
+    running: list[int] = []  # admitted, not put back: what a preemption may requeue
+    cancelled = requeued = 0
     overtaken = 0  # pops whose order the preferred requests changed
     held_back = 0  # pops whose order the oldest-first bound changed
     kept_in_order = 0  # pops whose order the backlog rule changed
@@ -229,9 +232,27 @@ def test_same_order_as_the_python_reference(
             prompt, new, prio = rng.randint(1, 1000), rng.randint(1, 64), rng.randint(0, 2)
             assert core.push(next_id, prompt, new, prio) == PushStatus.ACCEPTED
             ref.push(next_id, prompt, new, prio, clock.now_ns())
+            pushed[next_id] = (prompt, new, prio, clock.now_ns())
             waiting.add(next_id)
             next_id += 1
         clock.advance_ns(rng.randint(0, 3) * MS)
+        # A caller gone (or an id already admitted), and a preempted request put back.
+        if waiting and rng.random() < 0.2:
+            gone = rng.choice([*sorted(waiting), next_id - 1])
+            assert core.cancel(gone) == ref.cancel(gone)
+            cancelled += gone in waiting
+            waiting.discard(gone)
+        if running and rng.random() < 0.2:
+            back = running.pop(rng.randrange(len(running)))
+            prompt, new, prio, at = pushed[back]
+            # As the worker puts one back: its output so far joins the prompt (the bucket
+            # may change), the rest of its tokens still to come.
+            done = rng.randint(0, new - 1)
+            pushed[back] = (prompt + done, new - done, prio, at)
+            assert core.requeue(back, prompt + done, new - done, prio, 0, at) == PushStatus.ACCEPTED
+            assert ref.requeue(back, prompt + done, new - done, prio, at, clock.now_ns())
+            waiting.add(back)
+            requeued += 1
         max_req, max_tok = rng.randint(1, 16), rng.randint(50, 5000)
         # Some waiting requests preferred (a duplicate and an unknown id among them).
         preferred = [i for i in sorted(waiting) if rng.random() < 0.2]
@@ -254,8 +275,10 @@ def test_same_order_as_the_python_reference(
         kept_in_order += expected != any_backlog_order
         reordered += expected != arrival_order_pop
         waiting -= set(expected)
+        running += expected
         drained += round_ > 20 and len(ref) == 0
     assert len(core) == len(ref)
+    assert cancelled > 10 and requeued > 10
     assert drained, "the lulls never cleared the backlog: arrival order after LIFO is untested"
     # With no overtake limit the preferred requests change nothing.
     assert overtaken > 10 if overtakes else overtaken == 0
