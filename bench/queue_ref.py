@@ -143,12 +143,12 @@ class ReferenceQueue:
             newest-first heap after every oldest-first one, as the C++ keys sort) and the
             heap's effective priority (its oldest entry's)."""
             h = self._heaps[i]
-            eff = self._effective(h[0][1], now_ns)
             head = h[0][1]  # a requeued request, if any: it goes first either way
+            eff = self._effective(head, now_ns)
             if lifo[i // self._buckets] and head.seq >= 0 and not self._overdue(head, now_ns):
                 newest = max(h)[1]
                 return newest, (1, -newest.seq), eff
-            return h[0][1], (0, h[0][0]), eff
+            return head, (0, head.seq), eff
 
         live = [i for i, h in enumerate(self._heaps) if h]
         if not live:

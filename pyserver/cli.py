@@ -300,7 +300,8 @@ def _serve_parser(sub: Any) -> None:
         "newest first only while a level's backlog (its waiting requests and those above it) "
         "is more than the queue admitted in the last this long (idle time counts: after a lull "
         "a burst counts sooner): a backlog that arrival order clears that soon is served "
-        "oldest first (0: any backlog; at most one hour)",
+        "oldest first; set it near how long callers wait for a first token (0: any backlog; "
+        "at most one hour)",
     )
     _add(
         p,
