@@ -61,3 +61,17 @@ def test_the_sweep_tables_show_medians_with_their_round_count_and_the_ratio_spre
     text = "\n".join(sweep_tables(sweep))
     assert "| streambatch | 41.0 / 100.0 (2) | 125.0 / 100.0 (2) |" in text
     assert "| vllm_grpc | 1.17 (1.14-1.20) | 1.15 (1.00-1.30) |" in text
+
+
+def test_the_steady_state_tail_leaves_out_the_closed_loops_first_burst() -> None:
+    from load import Report, Sample
+
+    # Two calls sent at once (the burst) wait long; the four sent later as slots free do not.
+    burst = [Sample(9.0, 10.0, 4, [], sent_s=0.0), Sample(8.0, 9.0, 4, [], sent_s=0.001)]
+    later = [Sample(1.0 + i / 10, 2.0, 4, [], sent_s=9.0 + i) for i in range(4)]
+    report = Report(samples=[*later, *burst], wall_s=20.0, concurrency=2)
+    summary = report.summary()
+    assert summary["ttft_p99_ms"] > 8000
+    assert 1000 < summary["ttft_p99_after_first_wave_ms"] < 1400  # type: ignore[operator]
+    # An open-loop report (no concurrency) has no first wave to leave out.
+    assert Report(samples=later, wall_s=20.0).summary()["ttft_p99_after_first_wave_ms"] is None
