@@ -130,10 +130,24 @@ def _lora(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _shown_default(default: Any) -> str:
+    """A default as a user would type it ("" where there is nothing to show)."""
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if isinstance(default, float):
+        return f"{default:g}"
+    if isinstance(default, (tuple, list)):
+        return ",".join(str(x) for x in default)
+    return "" if default is None else str(default)
+
+
 def _add(
     p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any, help: str
 ) -> None:
     default = _env_default(flag.lstrip("-"), default)
+    shown = _shown_default(default)
+    if shown and "(default" not in help:  # `serve --help` says what a user gets
+        help = f"{help} (default: {shown})"
     if type is _bool:  # a bare flag means true, as vLLM spells its booleans (--enforce-eager)
         p.add_argument(flag, type=_bool, nargs="?", const=True, default=default, help=help)
     else:

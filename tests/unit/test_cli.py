@@ -298,3 +298,17 @@ def test_a_negative_prefix_affinity_is_refused_before_the_engine_loads(
         main(["serve", "--prefix-affinity", "-1"])
     assert exit_.value.code == 2
     assert "expected a count >= 0" in capsys.readouterr().err
+
+
+def test_serve_help_shows_each_default_as_a_user_would_type_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    parsed = _serve()
+    assert f"(default: {parsed.lifo_backlog_ms:g})" in text
+    assert f"(default: {parsed.oldest_first_after_ms:g})" in text
+    assert "(default: true)" in text  # --enable-prefix-caching
+    # A help that already says its default is not repeated.
+    assert "(default: embedded SmolLM2)" in text and text.count("SmolLM2) (default") == 0
