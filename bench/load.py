@@ -96,7 +96,7 @@ class Report:
     wall_s: float = 0.0
     client_cpu_s: float = 0.0  # this load generator's own CPU time during the run
     streaming: bool = True  # False: the whole answer comes at once, there are no token gaps
-    concurrency: int = 0  # closed loop: the first this many requests are sent at once
+    first_done_s: float = 0.0  # closed loop: perf_counter() when its first request ended
 
     def summary(self) -> dict[str, object]:
         ok = self.samples
@@ -107,10 +107,10 @@ class Report:
             return round(float(np.percentile(values, q)) * 1e3, 1) if values else 0.0
 
         ttft = [s.ttft_s for s in ok]
-        # A closed loop sends its first `concurrency` requests at once: their TTFT is the cost
-        # of that burst. The rest arrive as earlier calls finish (the loop's steady state);
-        # with few waves per run the all-calls p99 can be the burst's alone.
-        later = sorted(ok, key=lambda s: s.sent_s)[self.concurrency :]
+        # A closed loop sends its first wave at once: their TTFT is the cost of that burst.
+        # The later calls go out as earlier ones end (failed ones included); with few waves
+        # per run the all-calls p99 can be the burst's alone.
+        later = [s.ttft_s for s in ok if self.first_done_s and s.sent_s >= self.first_done_s]
         e2e = [s.e2e_s for s in ok]
         itl = [g for s in ok for g in s.gaps_s]
         tokens = sum(s.tokens for s in ok)
@@ -125,9 +125,7 @@ class Report:
             "ttft_p50_ms": pct(ttft, 50),
             "ttft_p90_ms": pct(ttft, 90),
             "ttft_p99_ms": pct(ttft, 99),
-            "ttft_p99_after_first_wave_ms": (
-                pct([s.ttft_s for s in later], 99) if self.concurrency and later else None
-            ),
+            "ttft_p99_after_first_wave_ms": pct(later, 99) if later else None,
             "itl_p50_ms": itl_pct(50),
             "itl_p90_ms": itl_pct(90),
             "itl_p99_ms": itl_pct(99),
@@ -175,7 +173,7 @@ async def closed_loop(
     label: str = "",
 ) -> Report:
     """`concurrency` workers each send the next prompt as soon as their last one finished."""
-    report = Report(concurrency=concurrency)
+    report = Report()
     for text in texts[:warmup]:
         await send(text)
     pending = list(reversed(texts[warmup:]))
@@ -191,6 +189,8 @@ async def closed_loop(
             except Exception as err:  # an HTTP peer's failure, counted by its type
                 name = type(err).__name__
                 report.errors[name] = report.errors.get(name, 0) + 1
+            if not report.first_done_s:  # the first wave is what was sent before this
+                report.first_done_s = time.perf_counter()
             bar.update()
 
     start, cpu = time.perf_counter(), time.process_time()

@@ -19,8 +19,13 @@ from typing import Any
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
+def _env_var(name: str) -> str:
+    """The variable that overrides a flag's built-in default (STREAMBATCH_QUEUE_CAPACITY)."""
+    return "STREAMBATCH_" + name.upper().replace("-", "_")
+
+
 def _env_default(name: str, default: Any) -> Any:
-    return os.environ.get("STREAMBATCH_" + name.upper().replace("-", "_"), default)
+    return os.environ.get(_env_var(name), default)
 
 
 def usable_cpu_list() -> str:
@@ -144,10 +149,14 @@ def _shown_default(default: Any) -> str:
 def _add(
     p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any, help: str
 ) -> None:
-    default = _env_default(flag.lstrip("-"), default)
-    shown = _shown_default(default)
-    if shown and "(default" not in help:  # `serve --help` says what a user gets
+    # --help says what a user gets; a value set in the environment is named, never printed
+    # (STREAMBATCH_TOKEN is a secret).
+    var, shown = _env_var(flag.lstrip("-")), _shown_default(default)
+    if "(default" not in help and var in os.environ:
+        help = f"{help} (default: ${var}" + (f", else {shown})" if shown else ")")
+    elif "(default" not in help and shown:
         help = f"{help} (default: {shown})"
+    default = _env_default(flag.lstrip("-"), default)
     if type is _bool:  # a bare flag means true, as vLLM spells its booleans (--enforce-eager)
         p.add_argument(flag, type=_bool, nargs="?", const=True, default=default, help=help)
     else:

@@ -300,15 +300,29 @@ def test_a_negative_prefix_affinity_is_refused_before_the_engine_loads(
     assert "expected a count >= 0" in capsys.readouterr().err
 
 
+def _help(*argv: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
 def test_serve_help_shows_each_default_as_a_user_would_type_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--help"])
-    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    parsed = _serve()
-    assert f"(default: {parsed.lifo_backlog_ms:g})" in text
-    assert f"(default: {parsed.oldest_first_after_ms:g})" in text
+    text = _help("serve", capsys=capsys)
+    assert "--lifo-backlog-ms LIFO_BACKLOG_MS" in text and "(default: 5000)" in text
+    assert "(default: 60000)" in text  # --oldest-first-after-ms
     assert "(default: true)" in text  # --enable-prefix-caching
     # A help that already says its default is not repeated.
     assert "(default: embedded SmolLM2)" in text and text.count("SmolLM2) (default") == 0
+
+
+def test_help_names_a_default_from_the_environment_without_printing_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STREAMBATCH_TOKEN", "s3cret-value")
+    monkeypatch.setenv("STREAMBATCH_QUEUE_CAPACITY", "77")
+    text = _help("info", capsys=capsys)
+    assert "s3cret" not in text and "(default: $STREAMBATCH_TOKEN)" in text
+    text = _help("serve", capsys=capsys)
+    assert "(default: $STREAMBATCH_QUEUE_CAPACITY, else 1024)" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from compare import summarize, sweep_tables
+from load import Report, Sample, TokenClock, closed_loop
 
 
 def run(round_: int, tok_s: float, ttft_p99_ms: float = 100.0) -> dict[str, Any]:
@@ -64,14 +66,32 @@ def test_the_sweep_tables_show_medians_with_their_round_count_and_the_ratio_spre
 
 
 def test_the_steady_state_tail_leaves_out_the_closed_loops_first_burst() -> None:
-    from load import Report, Sample
-
-    # Two calls sent at once (the burst) wait long; the four sent later as slots free do not.
+    # Two calls sent at once (the burst) wait long; the first ends at 9 s; the four sent from
+    # then on as slots free do not wait.
     burst = [Sample(9.0, 10.0, 4, [], sent_s=0.0), Sample(8.0, 9.0, 4, [], sent_s=0.001)]
     later = [Sample(1.0 + i / 10, 2.0, 4, [], sent_s=9.0 + i) for i in range(4)]
-    report = Report(samples=[*later, *burst], wall_s=20.0, concurrency=2)
+    report = Report(samples=[*later, *burst], wall_s=20.0, first_done_s=9.0)
     summary = report.summary()
     assert summary["ttft_p99_ms"] > 8000
     assert 1000 < summary["ttft_p99_after_first_wave_ms"] < 1400  # type: ignore[operator]
-    # An open-loop report (no concurrency) has no first wave to leave out.
+    # A report that never marked its first wave's end has no later calls to tell apart.
     assert Report(samples=later, wall_s=20.0).summary()["ttft_p99_after_first_wave_ms"] is None
+
+
+def test_the_closed_loop_marks_its_first_wave_even_when_a_call_fails() -> None:
+    async def send(n: int) -> Sample:
+        clock = TokenClock()
+        if n == 0:  # a call of the first wave fails first: its end ends the wave
+            await asyncio.sleep(0.01)
+            raise RuntimeError("refused")
+        await asyncio.sleep(0.4 if n < 3 else 0.2)  # the first wave waits longest
+        clock.add(1)
+        return clock.sample()
+
+    report = asyncio.run(closed_loop(send, list(range(9)), 3, 0))
+    assert report.errors == {"RuntimeError": 1} and len(report.samples) == 8
+    start = min(s.sent_s for s in report.samples)
+    assert 0 < report.first_done_s - start < 0.15  # the failure's end, not a success's
+    summary = report.summary()
+    assert summary["ttft_p99_after_first_wave_ms"] < 300  # type: ignore[operator]
+    assert summary["ttft_p99_ms"] > 350  # type: ignore[operator]
