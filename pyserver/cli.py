@@ -146,12 +146,16 @@ def _shown_default(default: Any) -> str:
     return "" if default is None else str(default)
 
 
+def _help_text(text: str) -> str:
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
 def _add(
     p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any, help: str
 ) -> None:
     # --help says what a user gets; a value set in the environment is named, never printed
     # (STREAMBATCH_TOKEN is a secret).
-    var, shown = _env_var(flag.lstrip("-")), _shown_default(default)
+    var, shown = _env_var(flag.lstrip("-")), _help_text(_shown_default(default))
     if "(default" not in help and var in os.environ:
         help = f"{help} (default: ${var}" + (f", else {shown})" if shown else ")")
     elif "(default" not in help and shown:

@@ -326,3 +326,13 @@ def test_help_names_a_default_from_the_environment_without_printing_it(
     assert "s3cret" not in text and "(default: $STREAMBATCH_TOKEN)" in text
     text = _help("serve", capsys=capsys)
     assert "(default: $STREAMBATCH_QUEUE_CAPACITY, else 1024)" in text
+
+
+def test_a_default_with_a_percent_sign_does_not_break_help() -> None:
+    import argparse
+
+    from pyserver.cli import _add
+
+    p = argparse.ArgumentParser()
+    _add(p, "--some-path", str, "/data/100%", "where")
+    assert "(default: /data/100%)" in " ".join(p.format_help().split())
