@@ -146,21 +146,18 @@ def _shown_default(default: Any) -> str:
     return "" if default is None else str(default)
 
 
-def _help_text(text: str) -> str:
-    return text.replace("%", "%%")  # argparse %-formats help strings
-
-
 def _add(
     p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any, help: str
 ) -> None:
     # --help says what a user gets; a value set in the environment is named, never printed
     # (STREAMBATCH_TOKEN is a secret).
-    var, shown = _env_var(flag.lstrip("-")), _help_text(_shown_default(default))
+    var = _env_var(flag.lstrip("-"))
+    shown = _shown_default(default).replace("%", "%%")  # argparse %-formats help strings
     if "(default" not in help and var in os.environ:
         help = f"{help} (default: ${var}" + (f", else {shown})" if shown else ")")
     elif "(default" not in help and shown:
         help = f"{help} (default: {shown})"
-    default = _env_default(flag.lstrip("-"), default)
+    default = os.environ.get(var, default)
     if type is _bool:  # a bare flag means true, as vLLM spells its booleans (--enforce-eager)
         p.add_argument(flag, type=_bool, nargs="?", const=True, default=default, help=help)
     else:

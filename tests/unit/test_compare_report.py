@@ -65,7 +65,7 @@ def test_the_sweep_tables_show_medians_with_their_round_count_and_the_ratio_spre
     assert "| vllm_grpc | 1.17 (1.14-1.20) | 1.15 (1.00-1.30) |" in text
 
 
-def test_the_steady_state_tail_leaves_out_the_closed_loops_first_burst() -> None:
+def test_the_later_calls_tail_leaves_out_the_closed_loops_first_burst() -> None:
     # Two calls sent at once (the burst) wait long; the first ends at 9 s; the four sent from
     # then on as slots free do not wait.
     burst = [Sample(9.0, 10.0, 4, [], sent_s=0.0), Sample(8.0, 9.0, 4, [], sent_s=0.001)]
