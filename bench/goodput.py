@@ -844,6 +844,9 @@ def main() -> None:
     if targets[0] != "streambatch" and not args.capacity_req_s:
         p.error("the first target must be streambatch: its capacity sets the offered loads")
     RESULTS.mkdir(exist_ok=True)
+    # Made now: a missing folder found only when the first point is checkpointed would cost
+    # the capacity runs and that point.
+    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     if args.report_from:
         rejudge(args)
