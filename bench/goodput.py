@@ -263,7 +263,8 @@ async def _vllm_call(client: httpx.AsyncClient, call: Call, cap_s: float) -> Out
 # every admission (a request resumed after a priority preemption again, with its output so
 # far), vLLM once, at its first token (its own recompute after a preemption not again); both
 # count the prefix cache's hits among them (`cached_prompt_tokens`), so prompt minus cached is
-# the prefill each did.
+# the prefill each did. Both count engine steps (`steps`); vLLM also the tokens its steps
+# computed (`step_tokens`: prompt chunks and decodes).
 _COUNTERS = {
     "streambatch_prompt_tokens_total": "prompt_tokens",
     "streambatch_prompt_tokens_cached_total": "cached_prompt_tokens",
@@ -276,6 +277,8 @@ _COUNTERS = {
     "vllm:prompt_tokens_cached_total": "cached_prompt_tokens",
     "vllm:generation_tokens_total": "generated_tokens",
     "vllm:num_preemptions_total": "engine_preemptions",
+    "vllm:iteration_tokens_total_count": "steps",
+    "vllm:iteration_tokens_total_sum": "step_tokens",
 }
 # The metric families each kind of target must export (checked once it is up, before any
 # measurement): a renamed metric fails the bench at once instead of reading as 0 or as idle.
@@ -290,6 +293,7 @@ _EXPECTED = {
     "vllm": {
         "vllm:prompt_tokens", "vllm:prompt_tokens_cached", "vllm:generation_tokens",
         "vllm:num_preemptions", "vllm:num_requests_running", "vllm:num_requests_waiting",
+        "vllm:iteration_tokens_total",
     },
 }  # fmt: skip
 _BUSY = {
@@ -843,6 +847,12 @@ def main() -> None:
         p.error("the targets must include streambatch (the report is built around it)")
     if targets[0] != "streambatch" and not args.capacity_req_s:
         p.error("the first target must be streambatch: its capacity sets the offered loads")
+    if not args.report_from and args.capacity_calls < 2 * args.max_num_seqs:
+        p.error(
+            f"--capacity-calls must be at least 2 x --max-num-seqs ({2 * args.max_num_seqs}): "
+            "capacity is counted while every stream is busy, which with so few calls is a few "
+            "seconds at most"
+        )
     RESULTS.mkdir(exist_ok=True)
     # Made now: a missing folder found only when the first point is checkpointed would cost
     # the capacity runs and that point.
@@ -851,12 +861,6 @@ def main() -> None:
     if args.report_from:
         rejudge(args)
         return
-    if args.capacity_calls < 2 * args.max_num_seqs:
-        p.error(
-            f"--capacity-calls must be at least 2 x --max-num-seqs ({2 * args.max_num_seqs}): "
-            "capacity is counted while every stream is busy, which with so few calls is a few "
-            "seconds at most"
-        )
     rate_of: dict[float, float] | None = None
     if args.capacity_req_s:  # A/B runs on one host: the same traces as an earlier run
         rate_of = {load: load * args.capacity_req_s for load in args.loads}
