@@ -24,10 +24,6 @@ def _env_var(name: str) -> str:
     return "STREAMBATCH_" + name.upper().replace("-", "_")
 
 
-def _env_default(name: str, default: Any) -> Any:
-    return os.environ.get(_env_var(name), default)
-
-
 def usable_cpu_list() -> str:
     """The cores this process may run on, in the list syntax VLLM_CPU_OMP_THREADS_BIND takes
     ("0-1", "0,2-3"): the binding over every usable core."""
@@ -146,8 +142,24 @@ def _shown_default(default: Any) -> str:
     return "" if default is None else str(default)
 
 
+def _one_of(choices: tuple[str, ...], var: str, type: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not one of {', '.join(choices)} (on the command line or in ${var})"
+            )
+        return type(text)
+
+    return parse
+
+
 def _add(
-    p: argparse.ArgumentParser, flag: str, type: Callable[[str], Any], default: Any, help: str
+    p: argparse.ArgumentParser,
+    flag: str,
+    type: Callable[[str], Any],
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
 ) -> None:
     # --help says what a user gets; a value set in the environment is named, never printed
     # (STREAMBATCH_TOKEN is a secret).
@@ -158,10 +170,14 @@ def _add(
     elif "(default" not in help and shown:
         help = f"{help} (default: {shown})"
     default = os.environ.get(var, default)
+    if choices is not None:
+        # argparse checks choices only on the command line, but passes a default given as
+        # text through `type`: an unknown value in the variable is refused there too.
+        type = _one_of(choices, var, type)
     if type is _bool:  # a bare flag means true, as vLLM spells its booleans (--enforce-eager)
         p.add_argument(flag, type=_bool, nargs="?", const=True, default=default, help=help)
     else:
-        p.add_argument(flag, type=type, default=default, help=help)
+        p.add_argument(flag, type=type, default=default, help=help, choices=choices)
 
 
 def _serve_parser(sub: Any) -> None:
@@ -200,8 +216,9 @@ def _serve_parser(sub: Any) -> None:
         action="append",
         type=_lora,
         default=[],
-        help="serve a LoRA adapter (a PEFT folder) to requests naming it; repeatable. vLLM's "
-        "--max-loras and --max-lora-rank default to all adapters in one step and their rank",
+        help="serve a LoRA adapter (a PEFT folder) to requests naming it; repeatable (default: "
+        "none). vLLM's --max-loras and --max-lora-rank default to all adapters in one step and "
+        "their rank",
     )
     _add(p, "--tensor-parallel-size", int, 1, "vLLM tensor parallelism")
     _add(p, "--pipeline-parallel-size", int, 1, "vLLM pipeline parallelism")
@@ -275,13 +292,15 @@ def _serve_parser(sub: Any) -> None:
         "engine sequence slots kept for top-priority requests: lower levels fill at most "
         "max-num-seqs minus this, so a top-priority arrival starts at once without preempting",
     )
-    p.add_argument(
+    _add(
+        p,
         "--deadline-admission",
+        str,
+        "shadow",
+        "refuse a call predicted to miss its deadline or queue timeout (on); only record the "
+        "decision (Timings.refusal_predicted, streambatch_refusal_predictions_total) and serve "
+        "it (shadow: refusing measured no goodput gain); never (off)",
         choices=("on", "shadow", "off"),
-        default=_env_default("deadline-admission", "shadow"),
-        help="refuse a call predicted to miss its deadline or queue timeout (on); only record "
-        "the decision (Timings.refusal_predicted, streambatch_refusal_predictions_total) and "
-        "serve it (shadow, the default: refusing measured no goodput gain); never (off)",
     )
     _add(
         p,

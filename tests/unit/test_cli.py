@@ -336,3 +336,23 @@ def test_a_default_with_a_percent_sign_does_not_break_help() -> None:
     p = argparse.ArgumentParser()
     _add(p, "--some-path", str, "/data/100%", "where")
     assert "(default: /data/100%)" in " ".join(p.format_help().split())
+
+
+def test_a_choice_flag_shows_its_default_and_refuses_an_unknown_value_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert build_parser().parse_args(["serve"]).deadline_admission == "shadow"
+    assert "(default: shadow)" in _help("serve", capsys=capsys)
+    monkeypatch.setenv("STREAMBATCH_DEADLINE_ADMISSION", "on")
+    assert build_parser().parse_args(["serve"]).deadline_admission == "on"
+    assert "(default: $STREAMBATCH_DEADLINE_ADMISSION, else shadow)" in _help(
+        "serve", capsys=capsys
+    )
+    monkeypatch.setenv("STREAMBATCH_DEADLINE_ADMISSION", "bogus")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve"])
+    assert "'bogus' is not one of on, shadow, off" in capsys.readouterr().err
+    monkeypatch.delenv("STREAMBATCH_DEADLINE_ADMISSION")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--deadline-admission", "maybe"])
+    assert "'maybe' is not one of on, shadow, off" in capsys.readouterr().err
