@@ -20,6 +20,7 @@ from pyserver import __version__
 from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, Sampling, WorkItem
 from pyserver.engine import EngineWorker
 from pyserver.service import convert
+from pyserver.service.tokenizing import PromptTokenizer
 from pyserver.telemetry.metrics import Metrics
 from pyserver.telemetry.tracing import RequestTracer
 
@@ -62,6 +63,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._tracer = tracer
         self._limits = limits
         self._model_name = model_name
+        self._tokenizer = PromptTokenizer(worker.tokenizer)
         self.serving = False  # what GetLoad reports, like health: False starting and draining
         # New calls taken: from the start until a drain's accept window closes (a balancer
         # keeps sending for a few health checks after the replica turns NOT_SERVING).
@@ -232,7 +234,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.TokenizeResponse:
         """The tokens Generate would give the model for this prompt (no engine involved)."""
-        tok = self._worker.tokenizer
+        tok = self._tokenizer
         try:
             ids = await asyncio.get_running_loop().run_in_executor(
                 None,
@@ -348,7 +350,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise convert.engine_check_error(problem, sampling)
 
     async def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
-        tok = self._worker.tokenizer
+        tok = self._tokenizer
         size = len(request.text) if request.WhichOneof("prompt") == "text" else 0
         if size <= _INLINE_TOKENIZE_CHARS:
             return convert.prompt_token_ids(request, tok, self._limits)

@@ -345,6 +345,31 @@ def test_grpcurl_tokenize_matches_what_generate_reads(live_server) -> None:  # t
     assert long.count > long.max_prompt_tokens and not long.fits
 
 
+def test_a_long_document_repeated_across_calls_tokenizes_as_the_model_does(live_server) -> None:  # type: ignore[no-untyped-def]
+    # Long pieces go through the server's piece cache (pyserver/service/tokenizing.py): the
+    # second and third calls look the document up; every call must still read the tokens the
+    # model's own tokenizer gives.
+    tok = live_server.worker.tokenizer
+    prompts = live_server.server.servicer._tokenizer
+    assert prompts.caches_pieces
+    clause = "Clause {}: the tenant keeps the garden, the owner the roof."
+    doc = " ".join(clause.format(i) for i in range(80))
+    s = stub(live_server.target)
+    hits = prompts.hits
+    for question in ("Who keeps the roof?", "  And the garden ?", "Ünïcödé: who pays?"):
+        messages = [{"role": "system", "content": doc}, {"role": "user", "content": question}]
+        chat = pb.ChatPrompt(messages=[pb.ChatMessage(**m) for m in messages])
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        want = tok.encode(rendered, add_special_tokens=False)
+        assert list(s.Tokenize(pb.TokenizeRequest(chat=chat), timeout=30).token_ids) == want
+        as_text = s.Tokenize(pb.TokenizeRequest(text=rendered), timeout=30)
+        assert list(as_text.token_ids) == tok.encode(rendered)
+        done = s.Complete(pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=1)),
+                          timeout=60)  # fmt: skip
+        assert done.usage.prompt_tokens == len(want)
+    assert prompts.hits >= hits + 4
+
+
 def test_truncate_prompt_tokens_keeps_the_last_ones(live_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(live_server.target)
     req = request("word " * 3000 + "The capital of France is", chat=False, max_tokens=2)
