@@ -19,14 +19,18 @@ _CORPUS = [
 _DOC = " ".join(f"Section {i}: the garden near the market holds the canyon." for i in range(60))
 
 
-def _backend(**flags: bool) -> Tokenizer:
+def _backend(*, metaspace: str = "", **flags: bool) -> Tokenizer:
     flags = {"normalized": False, **flags}  # a token added by add_tokens is normalized by default
     tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
+    if metaspace:  # SentencePiece-style: "▁" marks a word start
+        tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=metaspace)
+        tk.decoder = decoders.Metaspace(prepend_scheme=metaspace)
+        alphabet: list[str] = []
+    else:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet)
     tk.train_from_iterator(_CORPUS * 40, trainer)
     tk.add_special_tokens([AddedToken("<|s|>", **flags), AddedToken("<|e|>", **flags)])
     tk.add_tokens([AddedToken("<|tool|>", **flags)])
@@ -82,13 +86,53 @@ def test_an_added_token_not_matched_literally_turns_the_cache_off_not_exactness(
     assert pt.hits == pt.misses == 0
 
 
-def test_a_truncating_tokenizer_or_one_without_a_rust_backend_is_used_as_it_is() -> None:
+def test_a_tokenizer_that_truncates_or_is_changed_later_does_not_change_what_it_gives() -> None:
     backend = _backend()
     backend.enable_truncation(max_length=50)
     hf = _hf(backend)
     pt = _small(hf)
-    assert not pt.releases_gil and not pt.caches_pieces
-    assert pt.encode(_texts()[0]) == hf.encode(_texts()[0])
+    # transformers' encode drops truncation unless asked for; the private copy never has it.
+    text = _texts()[0]
+    assert pt.releases_gil and pt.caches_pieces
+    assert pt.encode(text) == hf.encode(text) and len(hf.encode(text)) > 50
+    hf.backend_tokenizer.enable_truncation(max_length=10)  # someone changes the shared one
+    assert pt.encode(text) == hf.encode(text)
+
+
+def test_where_a_piece_depends_on_its_place_the_cache_stays_off() -> None:
+    # Metaspace "first" marks only the input's first word: a piece after an added token
+    # tokenizes differently alone.
+    hf = _hf(_backend(metaspace="first"))
+    pt = _small(hf)
+    assert not pt.caches_pieces
+    for text in _texts():
+        assert pt.encode(text) == hf.encode(text)
+    always = _hf(_backend(metaspace="always"))
+    pt = _small(always)
+    assert pt.caches_pieces
+    for text in _texts():
+        assert pt.encode(text) == always.encode(text)
+
+
+def test_split_special_tokens_turn_the_cache_off() -> None:
+    backend = _backend()
+    backend.add_tokens([AddedToken("<a>", normalized=False), AddedToken("<b>", normalized=False)])
+    backend.encode_special_tokens = True  # special tokens read as text, the others not
+    hf = _hf(backend)
+    hf.split_special_tokens = True
+    pt = _small(hf)
+    assert not pt.caches_pieces
+    text = f"<a>{_DOC}<|s|>{_DOC}<b><|e|>"
+    assert pt.encode(text) == hf.encode(text)
+
+
+def test_a_tokenizer_without_a_rust_backend_or_that_rewrites_encoding_is_used_as_it_is() -> None:
+    class Rewriting(PreTrainedTokenizerFast):  # as CodeLlama's rewrites infilling prompts
+        def _encode_plus(self, *args: Any, **kwargs: Any) -> Any:
+            return super()._encode_plus(*args, **kwargs)
+
+    rewriting = PromptTokenizer(Rewriting(tokenizer_object=_backend()))
+    assert not rewriting.releases_gil and not rewriting.caches_pieces
 
     class Plain:  # no backend_tokenizer: a slow tokenizer, or a test's fake
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
