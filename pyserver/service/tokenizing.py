@@ -15,10 +15,11 @@ piece's tokens then do not depend on what surrounds it, so a long piece seen bef
 up (0.08 ms for a 1,531-token chat prompt here, against 1.9 ms to tokenize it).
 
 Measured on `make bench`'s shared_prefix workload at 64 streams, 3 interleaved rounds on one
-host (bench/results/history.md): against vLLM's wrapper, the direct call +2.5-7.6 % output
-tokens/s, with the piece cache +4.1-6.7 % (the two overlap: the cache's own gain is within the
-noise) and TTFT p99 16-24 % lower; the same prompts sent as token ids +2.6-8.7 %. Which part of
-the wrapper's cost matters most was not measured.
+host, with throwaway builds of the two (bench/results/history.md, "shared_prefix at 64
+streams"): against vLLM's wrapper the direct call gave +2.5-7.6 % output tokens/s and a 6-22 %
+lower TTFT p99, with the piece cache +4.1-6.7 % and 13-24 % (the two overlap: the cache's own
+gain is within the noise); the same prompts sent as token ids +2.6-8.7 %. Which part of the
+wrapper's cost matters most was not measured.
 
 Both are used only where they give what the wrapped tokenizer's `encode` gives, checked on
 probe text holding every added token at start-up: a fast (Rust) tokenizer whose encoding
