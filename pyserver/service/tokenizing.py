@@ -43,8 +43,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Texts shorter than this are tokenized by the tokenizer's own `encode`: quick enough to hold
-# the GIL for, and rarely repeated.
+# Texts shorter than this are tokenized by the wrapped tokenizer: quick either way, and rarely
+# repeated.
 MIN_TEXT_CHARS = 1024
 # Pieces between added tokens of at least this many characters are remembered.
 MIN_PIECE_CHARS = 256
@@ -68,7 +68,7 @@ _LITERAL = ("lstrip", "rstrip", "single_word", "normalized")
 
 class PromptTokenizer:
     """Wraps a tokenizer: `encode` gives the same tokens as the wrapped one's, tokenizing long
-    text with the GIL released and remembering long pieces between added tokens;
+    text with the Rust tokenizer directly and remembering long pieces between added tokens;
     `apply_chat_template` is the wrapped one's. Safe to call from several threads."""
 
     def __init__(
