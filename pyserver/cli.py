@@ -239,6 +239,7 @@ def _serve_parser(sub: Any) -> None:
         "VLLM_ENABLE_V1_MULTIPROCESSING (default: that variable, else separate on a GPU, where "
         "the device keeps stepping while this process does gRPC and detokenization, and inproc "
         "on the CPU, where both would share the same cores: docs/deploy.md)",
+        choices=("inproc", "separate"),
     )
     _add(
         p,
@@ -398,7 +399,16 @@ def _serve_parser(sub: Any) -> None:
         "set: every call but health needs 'authorization: Bearer <token>'",
     )
     _add(p, "--latency-slo-ms", float, 0.0, "adaptive batch controller target p99 (0: off)")
-    _add(p, "--controller-metric", str, "itl", "latency the controller watches: ttft, itl or e2e")
+    # Choices spelled here, not imported: importing the engine package would slow every
+    # `--help` by half a second (tests/unit/test_cli.py checks they match).
+    _add(
+        p,
+        "--controller-metric",
+        str,
+        "itl",
+        "latency the controller watches: ttft, itl or e2e",
+        choices=("ttft", "itl", "e2e"),
+    )
     _add(
         p,
         "--controller-knob",
@@ -406,6 +416,7 @@ def _serve_parser(sub: Any) -> None:
         "concurrency",
         "what the controller sets: concurrency (admitted requests, the seed's rule) or "
         "step_tokens (the engine's per-step token budget; in-process engine only)",
+        choices=("concurrency", "step_tokens"),
     )
     _add(p, "--controller-shrink-above", float, 1.5, "shrink when p99 > this x SLO")
     _add(p, "--controller-grow-below", float, 0.5, "grow when p99 < this x SLO")
@@ -470,8 +481,6 @@ def _prepare_engine_env(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if args.engine_process is not None:
-        if args.engine_process not in ("inproc", "separate"):
-            raise UsageError("--engine-process must be inproc or separate")
         multiprocessing = "0" if args.engine_process == "inproc" else "1"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if has_cuda_device() else "0")

@@ -356,3 +356,19 @@ def test_a_choice_flag_shows_its_default_and_refuses_an_unknown_value_from_the_e
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--deadline-admission", "maybe"])
     assert "'maybe' is not one of on, shadow, off" in capsys.readouterr().err
+
+
+def test_the_choice_flags_offer_what_the_server_accepts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pyserver.engine.deadlines import MODES
+    from pyserver.scheduling import METRICS
+
+    text = _help("serve", capsys=capsys)
+    for flag, accepted in (
+        ("--deadline-admission", MODES),
+        ("--controller-metric", METRICS),
+        ("--controller-knob", ("concurrency", "step_tokens")),
+        ("--engine-process", ("inproc", "separate")),
+    ):
+        assert f"{flag} {{{','.join(accepted)}}}" in text
