@@ -17,7 +17,8 @@ survivor fails the run):
   *_autobind            the two vLLM servers with vLLM's default set-up: its own binding, no
                         preload (extra rows, one round)
   seed_fastapi          the seed article's design (bench/peers/seed_fastapi.py; one round)
-  offline               vllm.LLM.generate over the fixed64 prompts, engine in-process (one round)
+  offline               vllm.LLM.generate over the fixed64 prompts, engine in-process, the same
+                        preload (one round)
   streambatch+FLAG+...  streambatch with extra `serve` flags, e.g.
                         streambatch+--engine-process=separate (for experiments)
 

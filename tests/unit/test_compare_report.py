@@ -104,7 +104,7 @@ def test_the_vllm_peers_get_the_preload_and_their_default_rows_do_not(
     import compare
 
     monkeypatch.setattr(compare, "cpu_list", lambda: "0-1")
-    names = "streambatch,vllm_openai,vllm_grpc,vllm_openai_autobind,offline"
+    names = "streambatch,vllm_openai,vllm_grpc,vllm_openai_autobind,vllm_grpc_autobind,offline"
     args = argparse.Namespace(targets=names, peer_preload="/x/libtcmalloc.so:/x/libiomp5.so")
     env = {s.name: s.env for s in compare.target_specs(args)}
     for peer in ("vllm_openai", "vllm_grpc", "offline"):
@@ -112,6 +112,7 @@ def test_the_vllm_peers_get_the_preload_and_their_default_rows_do_not(
         assert env[peer]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert "LD_PRELOAD" not in env["streambatch"]
     assert "LD_PRELOAD" not in env["vllm_openai_autobind"]
+    assert "LD_PRELOAD" not in env["vllm_grpc_autobind"]
     # What the bench's own shell had preloaded reaches no target unless a spec gives it.
     monkeypatch.setenv("LD_PRELOAD", "/elsewhere/libjemalloc.so")
     monkeypatch.setenv("KMP_BLOCKTIME", "200")
@@ -129,3 +130,22 @@ def test_the_preload_names_what_it_could_not_find(monkeypatch: pytest.MonkeyPatc
     assert any("intel-openmp" in m for m in missing)
     monkeypatch.setattr(harness, "_find_library", lambda name: f"/lib/lib{name}.so")
     assert harness.vllm_cpu_preload() == ("/lib/libtcmalloc_minimal.so:/lib/libiomp5.so", [])
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("auto", "/found/libtcmalloc.so"),
+        ("none", ""),
+        ("/mine/libjemalloc.so", "/mine/libjemalloc.so"),
+    ],
+)
+def test_peer_preload_resolves_auto_none_or_a_given_value(
+    monkeypatch: pytest.MonkeyPatch, given: str, expected: str
+) -> None:
+    import compare
+
+    monkeypatch.setattr(compare, "vllm_cpu_preload", lambda: ("/found/libtcmalloc.so", []))
+    args = compare.parser().parse_args(["--model", "m", "--dtype", "float32"])
+    args.peer_preload = given
+    assert compare.resolve(args).peer_preload == expected
