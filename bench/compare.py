@@ -76,7 +76,14 @@ from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from harness import PRELOAD_ENV, Group, SurvivorError, cpu_list, vllm_cpu_preload  # noqa: E402
+from harness import (  # noqa: E402
+    PEER_PRELOAD_HELP,
+    PRELOAD_ENV,
+    Group,
+    SurvivorError,
+    cpu_list,
+    peer_preload,
+)
 from load import (  # noqa: E402
     Report,
     Sample,
@@ -907,8 +914,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peer-preload",
         default="auto",
-        help="LD_PRELOAD for the vLLM peers (not the *_autobind rows): auto (TCMalloc and Intel "
-        "OpenMP where found, as vLLM's CPU guide has it), none, or a value to use as given",
+        help=PEER_PRELOAD_HELP + " (not the *_autobind rows)",
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS), help="folder for compare.json/md/png")
@@ -929,12 +935,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         )
     if args.concurrency not in args.sweep:
         args.sweep = sorted({*args.sweep, args.concurrency})
-    if args.peer_preload == "auto":
-        args.peer_preload, missing = vllm_cpu_preload()
-        for hint in missing:
-            print(f"warning: the vLLM peers run without {hint}, below their best", file=sys.stderr)
-    elif args.peer_preload == "none":
-        args.peer_preload = ""
+    args.peer_preload = peer_preload(args.peer_preload)
     if not args.model:
         from pyserver.model import pull_default_model
 

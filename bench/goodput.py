@@ -71,7 +71,7 @@ from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from harness import PRELOAD_ENV, Group, cpu_list, vllm_cpu_preload  # noqa: E402
+from harness import PEER_PRELOAD_HELP, PRELOAD_ENV, Group, cpu_list, peer_preload  # noqa: E402
 
 RESULTS = HERE / "results"
 _WORDS = [
@@ -340,11 +340,8 @@ class Target:
             cmd += [f for part in self.name.split("+")[1:] for f in part.split("=", 1)]
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list()
-            preload, missing = vllm_cpu_preload()  # TCMalloc and Intel OpenMP: vLLM's CPU guide
-            for hint in missing:
-                print(f"warning: vLLM runs without {hint}, below its best", file=sys.stderr)
-            if preload:
-                env["LD_PRELOAD"] = preload
+            if a.peer_preload:  # TCMalloc and Intel OpenMP: vLLM's CPU guide
+                env["LD_PRELOAD"] = a.peer_preload
             cmd = [
                 sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", a.model, "--served-model-name", "m", "--port", str(self.port),
@@ -829,6 +826,7 @@ def main() -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--peer-preload", default="auto", help=PEER_PRELOAD_HELP)
     p.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
     p.add_argument(
         "--report-from",
@@ -840,6 +838,7 @@ def main() -> None:
     args = p.parse_args()
     # A SIGTERM (timeout, CI) unwinds like Ctrl-C, so every started target is torn down.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    args.peer_preload = peer_preload(args.peer_preload)
     if not args.model:
         from pyserver.model import default_model_dir
 

@@ -218,3 +218,22 @@ def vllm_cpu_preload() -> tuple[str, list[str]]:
         else:
             missing.append(hint)
     return ":".join(found), missing
+
+
+def peer_preload(setting: str) -> str:
+    """The LD_PRELOAD a bench gives vLLM's peers for its --peer-preload: auto (what
+    vllm_cpu_preload finds, warning on stderr for what it does not), none, or a value as given."""
+    if setting == "none":
+        return ""
+    if setting != "auto":
+        return setting
+    preload, missing = vllm_cpu_preload()
+    for hint in missing:
+        print(f"warning: vLLM's peers run without {hint}, below their best", file=sys.stderr)
+    return preload
+
+
+PEER_PRELOAD_HELP = (
+    "LD_PRELOAD for vLLM's peers: auto (TCMalloc and Intel OpenMP where found, as vLLM's CPU "
+    "guide has it), none, or a value to use as given"
+)

@@ -144,8 +144,9 @@ def test_peer_preload_resolves_auto_none_or_a_given_value(
     monkeypatch: pytest.MonkeyPatch, given: str, expected: str
 ) -> None:
     import compare
+    import harness
 
-    monkeypatch.setattr(compare, "vllm_cpu_preload", lambda: ("/found/libtcmalloc.so", []))
+    monkeypatch.setattr(harness, "vllm_cpu_preload", lambda: ("/found/libtcmalloc.so", []))
     args = compare.parser().parse_args(["--model", "m", "--dtype", "float32"])
     args.peer_preload = given
     assert compare.resolve(args).peer_preload == expected
