@@ -113,57 +113,6 @@ def _fill_engine(engine_server, pool, n: int, max_tokens: int = 48):  # type: ig
     return futures
 
 
-def test_an_overloaded_level_is_served_newest_first(engine_server) -> None:  # type: ignore[no-untyped-def]
-    """Adaptive LIFO on the real engine: once the oldest waiting call has waited lifo_after
-    and the backlog stands, the calls sent after it enter the engine first, newest first,
-    until what is left is a backlog the recent admissions clear; the old one still runs."""
-    seqs = engine_server.worker.max_num_seqs
-    settings = engine_server.server.settings
-    lifo_after_s = settings.lifo_after_s
-    # The bound on newest-first order reaches the queue, far above what this test waits.
-    oldest_first_ns = engine_server.worker.queue.config.oldest_first_after_ns
-    assert oldest_first_ns == round(settings.oldest_first_after_s * 1e9) > 30e9
-    # So does the backlog rule, short enough that the admissions that filled the engine have
-    # left its window when the first slot frees.
-    backlog_ns = engine_server.worker.queue.config.lifo_backlog_ns
-    assert backlog_ns == round(settings.lifo_backlog_s * 1e9) > 0
-    assert settings.lifo_backlog_s < lifo_after_s
-    s = stub(engine_server.target)
-    with ThreadPoolExecutor(24) as pool:
-        # Staggered lengths: the engine frees one slot at a time, so the admission order shows.
-        running = [
-            pool.submit(
-                run_stream, s, request(f"Story {i}", max_tokens=400 + 12 * i, ignore_eos=True)
-            )
-            for i in range(seqs)
-        ]
-        assert wait_until(lambda: len(engine_server.worker._running) >= seqs, 30)
-        old = pool.submit(run_stream, s, request("Old", max_tokens=4, ignore_eos=True))
-        assert wait_until(lambda: engine_server.worker.queue.size() >= 1, 10)
-        time.sleep(lifo_after_s + 0.5)
-        assert len(engine_server.worker._running) >= seqs, "a slot freed too early"
-        new = []
-        for i in range(3):
-            new.append(
-                pool.submit(run_stream, s, request(f"New {i}", max_tokens=4, ignore_eos=True))
-            )
-            assert wait_until(lambda n=2 + i: engine_server.worker.queue.size() >= n, 10)
-        results = [f.result(180) for f in new]
-        old_result = old.result(180)
-        for f in running:
-            assert f.result(180).code == grpc.StatusCode.OK
-    assert old_result.code == grpc.StatusCode.OK
-    assert all(r.code == grpc.StatusCode.OK for r in results)
-    # Newest first while the backlog stands: 4 waiting, none admitted in the last
-    # lifo_backlog. Once the two newest have entered (one slot frees every few hundred ms),
-    # the two left are no more than those admissions: arrival order again, the old call first.
-    admitted = [r.admitted_at for r in results]
-    assert admitted[2] < admitted[1] < old_result.admitted_at < admitted[0], (
-        admitted,
-        old_result.admitted_at,
-    )
-
-
 class _AdmissionRecorder:
     """Stands in for the worker's queue and forwards every call to it, noting the low-priority
     pushes and every admission: requests admitted in one pop share one timestamp, so only
@@ -186,6 +135,63 @@ class _AdmissionRecorder:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._queue, name)
+
+
+def test_an_overloaded_level_is_served_newest_first(engine_server) -> None:  # type: ignore[no-untyped-def]
+    """Adaptive LIFO on the real engine: once the oldest waiting call has waited lifo_after
+    and the backlog stands, the calls sent after it enter the engine first, newest first,
+    until what is left is a backlog the recent admissions clear; the old one still runs."""
+    seqs = engine_server.worker.max_num_seqs
+    settings = engine_server.server.settings
+    lifo_after_s = settings.lifo_after_s
+    # The bound on newest-first order reaches the queue, far above what this test waits.
+    oldest_first_ns = engine_server.worker.queue.config.oldest_first_after_ns
+    assert oldest_first_ns == round(settings.oldest_first_after_s * 1e9) > 30e9
+    # So does the backlog rule, short enough that the admissions that filled the engine have
+    # left its window when the first slot frees.
+    backlog_ns = engine_server.worker.queue.config.lifo_backlog_ns
+    assert backlog_ns == round(settings.lifo_backlog_s * 1e9) > 0
+    assert settings.lifo_backlog_s < lifo_after_s
+    s = stub(engine_server.target)
+    # Two calls can enter in one pop (a short call ends as a story does), where the client's
+    # clock cannot order them: the queue's own admission list does.
+    recorder = _AdmissionRecorder(engine_server.worker.queue)
+    engine_server.worker.queue = recorder
+    try:
+        with ThreadPoolExecutor(24) as pool:
+            # Staggered lengths: the engine frees one slot at a time, so the admission order shows.
+            running = [
+                pool.submit(
+                    run_stream, s, request(f"Story {i}", max_tokens=400 + 12 * i, ignore_eos=True)
+                )
+                for i in range(seqs)
+            ]
+            assert wait_until(lambda: len(engine_server.worker._running) >= seqs, 30)
+            old = pool.submit(run_stream, s, request("Old", max_tokens=4, ignore_eos=True))
+            assert wait_until(lambda: engine_server.worker.queue.size() >= 1, 10)
+            time.sleep(lifo_after_s + 0.5)
+            assert len(engine_server.worker._running) >= seqs, "a slot freed too early"
+            new = []
+            for i in range(3):
+                new.append(
+                    pool.submit(run_stream, s, request(f"New {i}", max_tokens=4, ignore_eos=True))
+                )
+                assert wait_until(lambda n=2 + i: engine_server.worker.queue.size() >= n, 10)
+            results = [f.result(180) for f in new]
+            old_result = old.result(180)
+            for f in running:
+                assert f.result(180).code == grpc.StatusCode.OK
+    finally:
+        engine_server.worker.queue = recorder._queue
+    assert old_result.code == grpc.StatusCode.OK
+    assert all(r.code == grpc.StatusCode.OK for r in results)
+    # Newest first while the backlog stands: 4 waiting, none admitted in the last
+    # lifo_backlog. Once the two newest have entered (one slot frees every few hundred ms),
+    # the two left are no more than those admissions: arrival order again, the old call first.
+    assert len(recorder.low_pushed) == seqs + 4, recorder.low_pushed
+    old_h, new0, new1, new2 = recorder.low_pushed[seqs:]
+    waiting_order = [h for h in recorder.admitted if h in (old_h, new0, new1, new2)]
+    assert waiting_order == [new2, new1, old_h, new0], (waiting_order, recorder.low_pushed)
 
 
 def test_a_backlog_the_engine_keeps_clearing_stays_in_arrival_order(engine_server) -> None:  # type: ignore[no-untyped-def]
