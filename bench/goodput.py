@@ -131,7 +131,10 @@ def build_prompts(n: int, seed: int, tokenizer: Any) -> list[tuple[str, int]]:
 
 def build_trace(seed: int, rate: float, duration_s: float, args: argparse.Namespace) -> list[Call]:
     """Open-loop arrivals at `rate` calls/s on average: Poisson for (1 - burst share) of it,
-    bursts of `--burst-size` high-priority calls (Poisson burst times) for the rest."""
+    bursts of `--burst-size` high-priority calls (Poisson burst times) for the rest. The i-th
+    call's prompt, deadline, max_tokens and priority draw come from streams of their own, so
+    they are the same at every rate: loads, and runs whose measured capacity differs, send the
+    same calls (a burst call is high whatever its draw)."""
     rng = random.Random(seed)
     times: list[tuple[float, bool]] = []
     base = rate * (1.0 - args.burst_share)
@@ -146,15 +149,18 @@ def build_trace(seed: int, rate: float, duration_s: float, args: argparse.Namesp
         t += rng.expovariate(burst_rate)
     times.sort()
     prompts = build_prompts(len(times), seed, args.tokenizer)
+    draws = random.Random(seed * 7919 + 2)
     calls = []
     for i, (at, burst) in enumerate(times):
-        high = burst or rng.random() < args.high_share
-        deadline = (
-            None if rng.random() < args.no_deadline_share else _lognormal(rng, 20, 0.6, 6, 60)
-        )
+        # Four draws per call, whatever their outcome: the i-th call's are the same at any rate.
+        high = draws.random() < args.high_share or burst
+        no_deadline = draws.random() < args.no_deadline_share
+        drawn_deadline = _lognormal(draws, 20, 0.6, 6, 60)
+        drawn_max_tokens = int(_lognormal(draws, 96, 0.8, 16, 512))
+        deadline = None if no_deadline else drawn_deadline
         text, length = prompts[i]
         # Every call fits the context: prompt + max_tokens <= max_model_len.
-        max_tokens = min(int(_lognormal(rng, 96, 0.8, 16, 512)), args.max_model_len - length - 8)
+        max_tokens = min(drawn_max_tokens, args.max_model_len - length - 8)
         calls.append(Call(i, at, int(high), text, max_tokens, deadline))
     return calls
 
