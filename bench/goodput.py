@@ -131,23 +131,30 @@ def build_prompts(n: int, seed: int, tokenizer: Any) -> list[tuple[str, int]]:
 
 def build_trace(seed: int, rate: float, duration_s: float, args: argparse.Namespace) -> list[Call]:
     """Open-loop arrivals at `rate` calls/s on average: Poisson for (1 - burst share) of it,
-    bursts of `--burst-size` high-priority calls (Poisson burst times) for the rest. The i-th
-    call's prompt, deadline, max_tokens and priority draw come from streams of their own, so
-    they are the same at every rate: loads, and runs whose measured capacity differs, send the
-    same calls (a burst call is high whatever its draw)."""
-    rng = random.Random(seed)
+    bursts of `--burst-size` high-priority calls (Poisson burst times) for the rest.
+
+    The same calls at every rate: both arrival processes are drawn in "work" units (calls at
+    rate 1, each from a stream of its own) and scaled by 1/rate, so a higher rate compresses
+    the same sequence and only adds calls at its end; each call's prompt, deadline, max_tokens
+    and priority draw come from streams of their own too. So loads, and runs whose measured
+    capacity differs, send the same i-th call (burst membership included)."""
+    poisson, bursts = random.Random(seed), random.Random(seed * 7919 + 3)
+    horizon = duration_s * rate  # in work units
+    units: list[tuple[float, int, bool]] = []  # (work time, position in its burst, burst)
+    u = poisson.expovariate(1.0 - args.burst_share)
+    while u < horizon:
+        units.append((u, 0, False))
+        u += poisson.expovariate(1.0 - args.burst_share)
+    u = bursts.expovariate(args.burst_share / args.burst_size)
+    while u < horizon:
+        units += [(u, k, True) for k in range(args.burst_size)]
+        u += bursts.expovariate(args.burst_share / args.burst_size)
+    units.sort()
+    # A burst's calls 10 ms apart, never before the call ahead of them in the sequence.
     times: list[tuple[float, bool]] = []
-    base = rate * (1.0 - args.burst_share)
-    t = rng.expovariate(base)
-    while t < duration_s:
-        times.append((t, False))
-        t += rng.expovariate(base)
-    burst_rate = rate * args.burst_share / args.burst_size
-    t = rng.expovariate(burst_rate)
-    while t < duration_s:
-        times += [(t + 0.01 * k, True) for k in range(args.burst_size)]
-        t += rng.expovariate(burst_rate)
-    times.sort()
+    for w, k, burst in units:
+        at = w / rate + 0.01 * k
+        times.append((max(at, times[-1][0]) if times else at, burst))
     prompts = build_prompts(len(times), seed, args.tokenizer)
     draws = random.Random(seed * 7919 + 2)
     calls = []
