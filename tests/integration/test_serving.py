@@ -501,12 +501,23 @@ def _sample(engine_server, name: str, labels: dict[str, str] | None = None) -> f
 
 def test_an_impossible_deadline_is_refused_at_submit_and_counted(engine_server) -> None:  # type: ignore[no-untyped-def]
     s = stub(engine_server.target)
+    # The server predicts (and refuses) only once it has timed a step: alone, this test would
+    # otherwise see the call queued, not refused.
+    predictor = engine_server.worker.deadlines.predictor
+    for _ in range(5):
+        if predictor.ready:
+            break
+        assert run_stream(s, request("Warm up", max_tokens=8, ignore_eos=True)).code == (
+            grpc.StatusCode.OK
+        )
+    assert predictor.ready
     with ThreadPoolExecutor(10) as pool:
         running = _fill_engine(engine_server, pool, 8)
         added = engine_server.worker.stats.requests_added
         refused = _sample(engine_server, "streambatch_deadline_refusals_total", {"stage": "submit"})
-        # 200 fixed-length steps behind a full engine take several seconds here.
-        r = run_stream(s, request("Too late", max_tokens=200, ignore_eos=True), timeout=1.0)
+        # 1,500 fixed-length steps behind a full engine take a minute or more here: even the
+        # prediction's lower bound (its spread learned from every call so far) is past 1 s.
+        r = run_stream(s, request("Too late", max_tokens=1500, ignore_eos=True), timeout=1.0)
         assert r.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "predicted to finish in" in r.details, r.details
         assert (
