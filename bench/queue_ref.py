@@ -4,7 +4,8 @@ It implements the same order (effective priority with aging, head bucket then ne
 arrival order: oldest first, newest first in a level past lifo_after_ns whose backlog is more
 than lifo_backlog_ns of admissions, except for a request that waited oldest_first_after_ns;
 preferred requests first within their level, the request next in line passed over at most
-affinity_max_overtakes times and never once it waited oldest_first_after_ns), the same
+affinity_max_overtakes times and never once it waited oldest_first_after_ns and, with
+oldest_first_turns, its arrival-order turn that many times over in admissions), the same
 token-budget rule and the same cancel and requeue (a request put back goes first, counts in the
 backlog but never turns its level newest first, and is never passed over), without the blocking
 and release-rule machinery; the benchmark measures the C++ core against it and the tests check
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ class _Entry:
     bucket: int
     enqueued_ns: int
     seq: int
+    due_admissions: int = 0
     overtaken: int = 0
 
 
@@ -41,7 +44,10 @@ class ReferenceQueue:
         oldest_first_after_ns: int = 0,
         lifo_backlog_ns: int = 0,
         created_ns: int = 0,
+        oldest_first_turns: float = 0.0,
     ) -> None:
+        self._turns = oldest_first_turns
+        self._admitted = 0  # every admission, for the turn-based bound
         self._lifo_after = lifo_after_ns
         self._lifo_backlog = lifo_backlog_ns
         self._created = created_ns
@@ -62,7 +68,9 @@ class ReferenceQueue:
         self, id: int, prompt_tokens: int, max_new_tokens: int, priority: int, now_ns: int
     ) -> None:
         bucket = bisect.bisect_left(self._bounds, prompt_tokens)
-        entry = _Entry(id, prompt_tokens + max_new_tokens, priority, bucket, now_ns, self._seq)
+        ahead = sum(len(h) for i, h in enumerate(self._heaps) if i // self._buckets >= priority)
+        due = self._admitted + math.ceil(self._turns * ahead) if self._turns > 0 else 0
+        entry = _Entry(id, prompt_tokens + max_new_tokens, priority, bucket, now_ns, self._seq, due)
         heapq.heappush(self._heaps[priority * self._buckets + bucket], (self._seq, entry))
         self._seq += 1
 
@@ -106,7 +114,8 @@ class ReferenceQueue:
 
     def _overdue(self, e: _Entry, now_ns: int) -> bool:
         limit = self._oldest_first_after
-        return limit > 0 and now_ns - e.enqueued_ns >= limit
+        turn_over = self._turns <= 0 or self._admitted >= e.due_admissions
+        return limit > 0 and now_ns - e.enqueued_ns >= limit and turn_over
 
     def _backlog_standing(self, level: int, now_ns: int) -> bool:
         horizon = self._lifo_backlog
@@ -121,6 +130,7 @@ class ReferenceQueue:
         self, max_requests: int, max_tokens: int, now_ns: int, preferred: Iterable[int] = ()
     ) -> list[int]:
         out = self._select(max_requests, max_tokens, now_ns, preferred)
+        self._admitted += len(out)
         if self._lifo_backlog > 0 and self._lifo_after > 0:
             self._admitted_ns += [now_ns] * len(out)
         return out

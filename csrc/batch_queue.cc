@@ -1,6 +1,7 @@
 #include "batch_queue.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <stdexcept>
@@ -74,6 +75,8 @@ static QueueConfig checked(QueueConfig c) {
     throw std::invalid_argument(
         "oldest_first_after must be above lifo_after, or 0 (at or below it, the bound would "
         "end newest-first order as soon as it begins)");
+  if (!(c.oldest_first_turns >= 0 && c.oldest_first_turns <= 1e6))
+    throw std::invalid_argument("oldest_first_turns must be in [0, 1e6] (0 = the time alone)");
   if (c.affinity_max_overtakes < 0)
     throw std::invalid_argument("affinity_max_overtakes must be >= 0 (0 = no preference)");
   return c;
@@ -143,7 +146,7 @@ PushResult BatchQueue::push(RequestId id, std::int64_t prompt_tokens, std::int64
     }
     insert_locked(id,
                   Entry{prompt_tokens, max_new_tokens, priority, bucket_of(prompt_tokens), now,
-                        deadline_ns, next_seq_++},
+                        deadline_ns, next_seq_++, due_admissions_locked(priority)},
                   /*front=*/false);
     ++counters_.accepted;
   }
@@ -177,9 +180,18 @@ PushResult BatchQueue::requeue(RequestId id, std::int64_t prompt_tokens,
   return {};
 }
 
+std::int64_t BatchQueue::due_admissions_locked(int priority) const {
+  if (config_.oldest_first_turns <= 0) return 0;
+  std::int64_t ahead = 0;  // its turn: everyone waiting at its level and above goes first
+  for (int p = priority; p < config_.priority_levels; ++p)
+    ahead += level_size_[static_cast<size_t>(p)];
+  return counters_.admitted +
+         static_cast<std::int64_t>(std::ceil(config_.oldest_first_turns * static_cast<double>(ahead)));
+}
+
 void BatchQueue::insert_locked(RequestId id, const Entry& e, bool front) {
   entries_.emplace(id, e);
-  const Slot slot{id, e.seq, e.enqueued_ns, e.cost()};
+  const Slot slot{id, e.seq, e.enqueued_ns, e.cost(), e.due_admissions};
   auto& q = fifo(e.priority, e.bucket);
   if (front) {
     q.push_front(slot);
@@ -242,7 +254,7 @@ bool BatchQueue::takes_back_locked(size_t index, Nanos now) const {
   // A requeued request (seq below kFirstSeq) sits at the front and goes first either way, and
   // so does an overdue one (the front is live: dead heads are dropped as they appear).
   return lifo_level_[index / bucket_count_] != 0 && q.front().seq >= kFirstSeq &&
-         !overdue(q.front().enqueued_ns, now);
+         !overdue(q.front().enqueued_ns, q.front().due_admissions, now);
 }
 
 void BatchQueue::forget_admissions_before_locked(Nanos now) {
@@ -467,7 +479,7 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
       const bool may_pass = passed == nullptr ||
                             (pref.eff >= pick->eff && passed->seq >= kFirstSeq &&
                              passed->overtaken < config_.affinity_max_overtakes &&
-                             !overdue(passed->enqueued_ns, now));
+                             !overdue(passed->enqueued_ns, passed->due_admissions, now));
       const Entry e = entries_.at(pref.id);
       if (may_pass && tokens + e.cost() > max_tokens) {
         // A preferred request that does not fit passes nobody: the order above goes on (its

@@ -40,6 +40,12 @@
 //      oldest first: newer requests pass a caller with no deadline, or a long one, for that
 //      long at most (then it waits only for older overdue requests, higher levels and, with
 //      length buckets, a nearer bucket's requests until it is the head itself: one pop).
+//      With oldest_first_turns set, a request is overdue only once the queue has also admitted
+//      that many times the requests waiting at its level and above when it arrived (its turn
+//      in arrival order): a wait in time alone says nothing of how long arrival order would
+//      take on this engine, and a bound below that turns every held request overdue and the
+//      order back to arrival order (on an engine 2.5x slower, many_docs' resident-prefix
+//      order lost its whole gain to a 60 s bound).
 // A pop may name preferred requests (the caller's choice: those whose prompt prefix the
 // engine still holds in its prefix cache). A preferred request goes before every other one of
 // its effective priority or lower, oldest first, except that the request the order above
@@ -111,6 +117,7 @@ struct QueueConfig {
   Nanos aging_interval_ns = 0;              // 0: no aging
   Nanos lifo_after_ns = 0;                  // 0: always arrival order (see "Order" above)
   Nanos oldest_first_after_ns = 0;          // newer requests pass a waiting one this long at most; 0: off
+  double oldest_first_turns = 0;            // ... and for this many times its arrival-order turn; 0: time alone
   Nanos lifo_backlog_ns = 0;                // newest first only for a backlog of more admissions than this long's; 0: any
   std::int64_t affinity_max_overtakes = 0;  // preferred requests that may pass one; 0: off
   bool release_on_urgent = true;
@@ -200,6 +207,7 @@ class BatchQueue {
     Nanos enqueued_ns;
     Nanos deadline_ns;
     std::uint64_t seq;
+    std::int64_t due_admissions = 0;  // overdue no sooner than this many admissions in all
     std::int64_t overtaken = 0;  // preferred requests taken before it while it was next
     [[nodiscard]] std::int64_t cost() const { return prompt_tokens + max_new_tokens; }
   };
@@ -210,6 +218,7 @@ class BatchQueue {
     std::uint64_t seq;
     Nanos enqueued_ns;
     std::int64_t cost;
+    std::int64_t due_admissions;
   };
   // Ordering key of one FIFO's head during a selection (scratch, reused across pops).
   struct HeadKey {
@@ -246,10 +255,15 @@ class BatchQueue {
   // The slot selection would take next from a FIFO (front, or back in a LIFO level), and its
   // arrival-order key (smaller first).
   [[nodiscard]] bool takes_back_locked(size_t fifo_index, Nanos now) const;
-  // Waited oldest_first_after_ns: no newer request (newest first, preferred) goes before it.
-  [[nodiscard]] bool overdue(Nanos enqueued_ns, Nanos now) const {
-    return config_.oldest_first_after_ns > 0 && now - enqueued_ns >= config_.oldest_first_after_ns;
+  // Waited oldest_first_after_ns, and its turn's admissions: no newer request (newest first,
+  // preferred) goes before it.
+  [[nodiscard]] bool overdue(Nanos enqueued_ns, std::int64_t due_admissions, Nanos now) const {
+    return config_.oldest_first_after_ns > 0 &&
+           now - enqueued_ns >= config_.oldest_first_after_ns &&
+           counters_.admitted >= due_admissions;
   }
+  // The admissions after which a request arriving at `priority` now may be overdue.
+  [[nodiscard]] std::int64_t due_admissions_locked(int priority) const;
   // True when level p's backlog (live requests at p and above) is more than the queue admits
   // in lifo_backlog_ns at the rate of the last lifo_backlog_ns (or of the time since it was
   // created, if shorter), and always when lifo_backlog_ns is 0.

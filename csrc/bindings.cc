@@ -131,6 +131,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("aging_interval_ns", &QueueConfig::aging_interval_ns)
       .def_readwrite("lifo_after_ns", &QueueConfig::lifo_after_ns)
       .def_readwrite("oldest_first_after_ns", &QueueConfig::oldest_first_after_ns)
+      .def_readwrite("oldest_first_turns", &QueueConfig::oldest_first_turns)
       .def_readwrite("lifo_backlog_ns", &QueueConfig::lifo_backlog_ns)
       .def_readwrite("affinity_max_overtakes", &QueueConfig::affinity_max_overtakes)
       .def_readwrite("release_on_urgent", &QueueConfig::release_on_urgent);

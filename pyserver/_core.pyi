@@ -47,6 +47,7 @@ class QueueConfig:
     aging_interval_ns: int
     lifo_after_ns: int
     oldest_first_after_ns: int
+    oldest_first_turns: float
     lifo_backlog_ns: int
     affinity_max_overtakes: int
     release_on_urgent: bool

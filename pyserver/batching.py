@@ -49,6 +49,7 @@ def make_config(
     lifo_after_s: float = 0.0,
     affinity_max_overtakes: int = 0,
     oldest_first_after_s: float = 0.0,
+    oldest_first_turns: float = 0.0,
     lifo_backlog_s: float = 0.0,
     release_on_urgent: bool = True,
 ) -> QueueConfig:
@@ -66,6 +67,7 @@ def make_config(
     config.lifo_after_ns = round(lifo_after_s * _NS)
     config.affinity_max_overtakes = affinity_max_overtakes
     config.oldest_first_after_ns = round(oldest_first_after_s * _NS)
+    config.oldest_first_turns = oldest_first_turns
     config.lifo_backlog_ns = round(lifo_backlog_s * _NS)
     config.release_on_urgent = release_on_urgent
     return config

@@ -106,6 +106,7 @@ def _float_in(
 
 
 _seconds = _float_in("seconds")
+_turns = _float_in("a multiple", high=1e6)
 _milliseconds = _float_in("milliseconds", high=_MAX_MS)
 _signed_milliseconds = _float_in(  # every negative value means never
     "milliseconds", low=-math.inf, high=_MAX_MS, note=" (negative: never)"
@@ -364,6 +365,15 @@ def _serve_parser(sub: Any) -> None:
         "bounds how long newest-first order and --prefix-affinity pass a call over (0: no bound; "
         "else above --lifo-after-ms)",
     )
+    _add(
+        p,
+        "--oldest-first-turns",
+        _turns,
+        2.0,
+        "... and once the queue has admitted this many times the calls waiting at its level and "
+        "above when it arrived (its arrival-order turn), so the bound keeps its meaning on a "
+        "slower engine (0: the time alone)",
+    )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")
     _add(p, "--max-message-bytes", int, 4 * 1024 * 1024, "largest gRPC message")
@@ -605,6 +615,7 @@ def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
         lifo_after_s=args.lifo_after_ms / 1e3,
         prefix_affinity=args.prefix_affinity,
         oldest_first_after_s=args.oldest_first_after_ms / 1e3,
+        oldest_first_turns=args.oldest_first_turns,
         lifo_backlog_s=args.lifo_backlog_ms / 1e3,
         level_capacity=args.level_capacity,
         level_queue_timeout_ms=args.level_queue_timeout_ms,

@@ -147,6 +147,7 @@ def test_an_overloaded_level_is_served_newest_first(engine_server) -> None:  # t
     # The bound on newest-first order reaches the queue, far above what this test waits.
     oldest_first_ns = engine_server.worker.queue.config.oldest_first_after_ns
     assert oldest_first_ns == round(settings.oldest_first_after_s * 1e9) > 30e9
+    assert engine_server.worker.queue.config.oldest_first_turns == settings.oldest_first_turns > 0
     # So does the backlog rule, short enough that the admissions that filled the engine have
     # left its window when the first slot frees.
     backlog_ns = engine_server.worker.queue.config.lifo_backlog_ns

@@ -149,6 +149,8 @@ def test_keyword_and_positional_push_agree() -> None:
         ({"lifo_after_s": 2.0, "oldest_first_after_s": 2.0}, "must be above lifo_after"),
         ({"lifo_backlog_s": -1.0}, "lifo_backlog must be >= 0"),
         ({"lifo_backlog_s": 3600.001}, "lifo_backlog must be at most 3600 s"),
+        ({"oldest_first_turns": -0.5}, r"oldest_first_turns must be in \[0, 1e6\]"),
+        ({"oldest_first_turns": float("nan")}, "oldest_first_turns"),
     ],
 )
 def test_bad_config_raises_value_error(kw: dict[str, object], message: str) -> None:
@@ -184,9 +186,12 @@ def test_bad_timeout_raises_value_error() -> None:
         (0, 0, 3, 0, 8),
     ],
 )
+@pytest.mark.parametrize("turns", [0.0, 2.0])
 def test_same_order_as_the_python_reference(
-    aging_ms: int, lifo_ms: int, overtakes: int, oldest_first_ms: int, backlog_ms: int
+    aging_ms: int, lifo_ms: int, overtakes: int, oldest_first_ms: int, backlog_ms: int, turns: float
 ) -> None:
+    if turns and not oldest_first_ms:
+        pytest.skip("the turns only lengthen the oldest-first bound")
     rng = random.Random(
         aging_ms + 11 + 100 * lifo_ms + 1000 * overtakes + 7 * oldest_first_ms + 13 * backlog_ms
     )
@@ -200,6 +205,7 @@ def test_same_order_as_the_python_reference(
             lifo_after_s=lifo_ms / 1e3,
             affinity_max_overtakes=overtakes,
             oldest_first_after_s=oldest_first_ms / 1e3,
+            oldest_first_turns=turns,
             lifo_backlog_s=backlog_ms / 1e3,
             capacity=100_000,
         ),
@@ -214,6 +220,7 @@ def test_same_order_as_the_python_reference(
         oldest_first_ms * MS,
         lifo_backlog_ns=backlog_ms * MS,
         created_ns=clock.now_ns(),
+        oldest_first_turns=turns,
     )
     next_id = 0
     drained = 0
@@ -223,6 +230,7 @@ def test_same_order_as_the_python_reference(
     cancelled = requeued = 0
     overtaken = 0  # pops whose order the preferred requests changed
     held_back = 0  # pops whose order the oldest-first bound changed
+    turn_kept = 0  # pops whose order the turns changed (a request not yet overdue)
     kept_in_order = 0  # pops whose order the backlog rule changed
     reordered = 0  # pops whose order newest-first changed
     for round_ in range(300):
@@ -261,6 +269,9 @@ def test_same_order_as_the_python_reference(
         plain = copy.deepcopy(ref).pop_batch(max_req, max_tok, clock.now_ns())
         unbounded = copy.deepcopy(ref)
         unbounded._oldest_first_after = 0
+        time_only = copy.deepcopy(ref)
+        time_only._turns = 0.0
+        time_only_order = time_only.pop_batch(max_req, max_tok, clock.now_ns(), preferred)
         unbounded_order = unbounded.pop_batch(max_req, max_tok, clock.now_ns(), preferred)
         any_backlog = copy.deepcopy(ref)
         any_backlog._lifo_backlog = 0
@@ -272,6 +283,7 @@ def test_same_order_as_the_python_reference(
         assert core.pop_batch(max_req, max_tok, preferred=preferred).admitted == expected
         overtaken += expected != plain
         held_back += expected != unbounded_order
+        turn_kept += expected != time_only_order
         kept_in_order += expected != any_backlog_order
         reordered += expected != arrival_order_pop
         waiting -= set(expected)
@@ -284,6 +296,8 @@ def test_same_order_as_the_python_reference(
     assert overtaken > 10 if overtakes else overtaken == 0
     # The bound matters only where something overtakes: newest first or a preference.
     assert held_back > 5 if oldest_first_ms and (lifo_ms or overtakes) else held_back == 0
+    # The turns change the order only where the bound does, and then they hold it back longer.
+    assert turn_kept > 5 if turns and oldest_first_ms and (lifo_ms or overtakes) else turn_kept == 0
     # The backlog rule matters only where a level would turn newest first.
     assert kept_in_order > 5 if backlog_ms and lifo_ms else kept_in_order == 0
     # ... and leaves newest first acting where the backlog stands.

@@ -220,6 +220,18 @@ def test_bad_queue_durations_are_refused_before_the_engine_loads(
     assert "expected milliseconds >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "twice", "1e6"])
+def test_the_oldest_first_turns_must_be_a_multiple_in_range(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pyserver.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--oldest-first-turns", value])
+    assert exit_.value.code == 2
+    assert "expected a multiple >= 0 and < 1e+06" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "later", "1e13"])
 def test_a_preemption_delay_must_be_a_number(
     value: str, capsys: pytest.CaptureFixture[str]
@@ -312,6 +324,7 @@ def test_serve_help_shows_each_default_as_a_user_would_type_it(
     text = _help("serve", capsys=capsys)
     assert "--lifo-backlog-ms LIFO_BACKLOG_MS" in text and "(default: 5000)" in text
     assert "(default: 60000)" in text  # --oldest-first-after-ms
+    assert "--oldest-first-turns OLDEST_FIRST_TURNS" in text and "(default: 2)" in text
     assert "(default: true)" in text  # --enable-prefix-caching
     # A help that already says its default is not repeated.
     assert "(default: embedded SmolLM2)" in text and text.count("SmolLM2) (default") == 0
