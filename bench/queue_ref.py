@@ -2,10 +2,11 @@
 
 It implements the same order (effective priority with aging, head bucket then nearest buckets,
 arrival order: oldest first, newest first in a level past lifo_after_ns whose backlog is more
-than lifo_backlog_ns of admissions, except for a request that waited oldest_first_after_ns;
+than lifo_backlog_ns of admissions, except for an overdue request: one that waited
+oldest_first_after_ns and, with oldest_first_turns, saw that many times the requests waiting
+ahead of it at its arrival leave, never before an older request of its FIFO;
 preferred requests first within their level, the request next in line passed over at most
-affinity_max_overtakes times and never once it waited oldest_first_after_ns and, with
-oldest_first_turns, its arrival-order turn that many times over in admissions), the same
+affinity_max_overtakes times and never once it is overdue), the same
 token-budget rule and the same cancel and requeue (a request put back goes first, counts in the
 backlog but never turns its level newest first, and is never passed over), without the blocking
 and release-rule machinery; the benchmark measures the C++ core against it and the tests check
@@ -29,7 +30,7 @@ class _Entry:
     bucket: int
     enqueued_ns: int
     seq: int
-    due_admissions: int = 0
+    due_departures: int = 0
     overtaken: int = 0
 
 
@@ -47,7 +48,7 @@ class ReferenceQueue:
         oldest_first_turns: float = 0.0,
     ) -> None:
         self._turns = oldest_first_turns
-        self._admitted = 0  # every admission, for the turn-based bound
+        self._departures = 0  # admitted or cancelled: the turn-based bound counts them
         self._lifo_after = lifo_after_ns
         self._lifo_backlog = lifo_backlog_ns
         self._created = created_ns
@@ -61,6 +62,7 @@ class ReferenceQueue:
         self._heaps: list[list[tuple[int, _Entry]]] = [
             [] for _ in range(priority_levels * self._buckets)
         ]
+        self._last_due = [0] * len(self._heaps)
         self._seq = 0
         self._front_seq = -1  # requeued requests: below every arrival, the latest lowest
 
@@ -68,10 +70,14 @@ class ReferenceQueue:
         self, id: int, prompt_tokens: int, max_new_tokens: int, priority: int, now_ns: int
     ) -> None:
         bucket = bisect.bisect_left(self._bounds, prompt_tokens)
-        ahead = sum(len(h) for i, h in enumerate(self._heaps) if i // self._buckets >= priority)
-        due = self._admitted + math.ceil(self._turns * ahead) if self._turns > 0 else 0
+        index = priority * self._buckets + bucket
+        due = 0
+        if self._turns > 0:
+            ahead = sum(len(h) for i, h in enumerate(self._heaps) if i // self._buckets >= priority)
+            due = self._departures + math.ceil(self._turns * ahead)
+            due = self._last_due[index] = max(self._last_due[index], due)  # a FIFO's in order
         entry = _Entry(id, prompt_tokens + max_new_tokens, priority, bucket, now_ns, self._seq, due)
-        heapq.heappush(self._heaps[priority * self._buckets + bucket], (self._seq, entry))
+        heapq.heappush(self._heaps[index], (self._seq, entry))
         self._seq += 1
 
     def requeue(
@@ -103,6 +109,7 @@ class ReferenceQueue:
                 if item[1].id == id:
                     h.remove(item)
                     heapq.heapify(h)
+                    self._departures += 1
                     return True
         return False
 
@@ -114,7 +121,7 @@ class ReferenceQueue:
 
     def _overdue(self, e: _Entry, now_ns: int) -> bool:
         limit = self._oldest_first_after
-        turn_over = self._turns <= 0 or self._admitted >= e.due_admissions
+        turn_over = self._turns <= 0 or self._departures >= e.due_departures
         return limit > 0 and now_ns - e.enqueued_ns >= limit and turn_over
 
     def _backlog_standing(self, level: int, now_ns: int) -> bool:
@@ -130,7 +137,7 @@ class ReferenceQueue:
         self, max_requests: int, max_tokens: int, now_ns: int, preferred: Iterable[int] = ()
     ) -> list[int]:
         out = self._select(max_requests, max_tokens, now_ns, preferred)
-        self._admitted += len(out)
+        self._departures += len(out)
         if self._lifo_backlog > 0 and self._lifo_after > 0:
             self._admitted_ns += [now_ns] * len(out)
         return out

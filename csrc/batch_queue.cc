@@ -75,8 +75,8 @@ static QueueConfig checked(QueueConfig c) {
     throw std::invalid_argument(
         "oldest_first_after must be above lifo_after, or 0 (at or below it, the bound would "
         "end newest-first order as soon as it begins)");
-  if (!(c.oldest_first_turns >= 0 && c.oldest_first_turns <= 1e6))
-    throw std::invalid_argument("oldest_first_turns must be in [0, 1e6] (0 = the time alone)");
+  if (!(c.oldest_first_turns >= 0 && c.oldest_first_turns < 1e6))
+    throw std::invalid_argument("oldest_first_turns must be in [0, 1e6) (0 = the time alone)");
   if (c.affinity_max_overtakes < 0)
     throw std::invalid_argument("affinity_max_overtakes must be >= 0 (0 = no preference)");
   return c;
@@ -90,6 +90,7 @@ BatchQueue::BatchQueue(QueueConfig config, std::shared_ptr<const Clock> clock)
       level_size_(static_cast<size_t>(config_.priority_levels), 0),
       depth_(fifos_.size(), 0),
       tombstones_(fifos_.size(), 0),
+      last_due_(fifos_.size(), 0),
       created_ns_(clock_->now_ns()) {
   counters_.released.assign(kReleaseReasonCount, 0);
   entries_.reserve(static_cast<size_t>(std::min<std::int64_t>(config_.capacity, 1 << 16)));
@@ -144,9 +145,11 @@ PushResult BatchQueue::push(RequestId id, std::int64_t prompt_tokens, std::int64
       ++counters_.rejected_full;
       return {PushStatus::kQueueFull, "level"};
     }
+    const int bucket = bucket_of(prompt_tokens);
+    const size_t index = static_cast<size_t>(priority) * bucket_count_ + static_cast<size_t>(bucket);
     insert_locked(id,
-                  Entry{prompt_tokens, max_new_tokens, priority, bucket_of(prompt_tokens), now,
-                        deadline_ns, next_seq_++, due_admissions_locked(priority)},
+                  Entry{prompt_tokens, max_new_tokens, priority, bucket, now, deadline_ns,
+                        next_seq_++, due_departures_locked(index)},
                   /*front=*/false);
     ++counters_.accepted;
   }
@@ -180,18 +183,19 @@ PushResult BatchQueue::requeue(RequestId id, std::int64_t prompt_tokens,
   return {};
 }
 
-std::int64_t BatchQueue::due_admissions_locked(int priority) const {
+std::int64_t BatchQueue::due_departures_locked(size_t fifo_index) {
   if (config_.oldest_first_turns <= 0) return 0;
-  std::int64_t ahead = 0;  // its turn: everyone waiting at its level and above goes first
-  for (int p = priority; p < config_.priority_levels; ++p)
-    ahead += level_size_[static_cast<size_t>(p)];
-  return counters_.admitted +
-         static_cast<std::int64_t>(std::ceil(config_.oldest_first_turns * static_cast<double>(ahead)));
+  std::int64_t ahead = 0;  // its turn: everyone waiting at its level and above leaves first
+  for (size_t p = fifo_index / bucket_count_; p < level_size_.size(); ++p) ahead += level_size_[p];
+  const double turns = std::ceil(config_.oldest_first_turns * static_cast<double>(ahead));
+  const std::int64_t due = departures_ + static_cast<std::int64_t>(turns);
+  last_due_[fifo_index] = std::max(last_due_[fifo_index], due);
+  return last_due_[fifo_index];
 }
 
 void BatchQueue::insert_locked(RequestId id, const Entry& e, bool front) {
   entries_.emplace(id, e);
-  const Slot slot{id, e.seq, e.enqueued_ns, e.cost(), e.due_admissions};
+  const Slot slot{id, e.seq, e.enqueued_ns, e.cost(), e.due_departures};
   auto& q = fifo(e.priority, e.bucket);
   if (front) {
     q.push_front(slot);
@@ -254,7 +258,7 @@ bool BatchQueue::takes_back_locked(size_t index, Nanos now) const {
   // A requeued request (seq below kFirstSeq) sits at the front and goes first either way, and
   // so does an overdue one (the front is live: dead heads are dropped as they appear).
   return lifo_level_[index / bucket_count_] != 0 && q.front().seq >= kFirstSeq &&
-         !overdue(q.front().enqueued_ns, q.front().due_admissions, now);
+         !overdue_locked(q.front().enqueued_ns, q.front().due_departures, now);
 }
 
 void BatchQueue::forget_admissions_before_locked(Nanos now) {
@@ -301,6 +305,7 @@ void BatchQueue::expire_locked(Nanos now, std::vector<RequestId>& out) {
     remove_locked(item.id, e);
     out.push_back(item.id);
     ++counters_.expired;
+    ++departures_;
   }
   // Deadlines of requests admitted earlier stay in the heap; rebuild when they dominate.
   if (deadlines_.size() > 64 && deadlines_.size() > 2 * entries_.size()) {
@@ -479,7 +484,7 @@ void BatchQueue::select_locked(Nanos now, std::int64_t max_requests, std::int64_
       const bool may_pass = passed == nullptr ||
                             (pref.eff >= pick->eff && passed->seq >= kFirstSeq &&
                              passed->overtaken < config_.affinity_max_overtakes &&
-                             !overdue(passed->enqueued_ns, passed->due_admissions, now));
+                             !overdue_locked(passed->enqueued_ns, passed->due_departures, now));
       const Entry e = entries_.at(pref.id);
       if (may_pass && tokens + e.cost() > max_tokens) {
         // A preferred request that does not fit passes nobody: the order above goes on (its
@@ -553,6 +558,7 @@ PopResult BatchQueue::pop_batch(std::int64_t max_requests, std::int64_t max_toke
         urgent_pending_ = false;
         window_start_ns_ = entries_.empty() ? -1 : now;
         counters_.admitted += static_cast<std::int64_t>(result.admitted.size());
+        departures_ += static_cast<std::int64_t>(result.admitted.size());
         note_admissions_locked(result.admitted.size(), now);
         break;
       }
@@ -589,6 +595,7 @@ bool BatchQueue::cancel(RequestId id) {
     remove_locked(id, e);
     cancelled_.push_back(id);
     ++counters_.cancelled;
+    ++departures_;
   }
   cv_.notify_all();
   return true;

@@ -38,20 +38,22 @@
 //      order once, for its whole batch. A request that has
 //      waited oldest_first_after_ns (overdue) goes before the newer ones of its FIFO again,
 //      oldest first: newer requests pass a caller with no deadline, or a long one, for that
-//      long at most (then it waits only for older overdue requests, higher levels and, with
-//      length buckets, a nearer bucket's requests until it is the head itself: one pop).
-//      With oldest_first_turns set, a request is overdue only once the queue has also admitted
-//      that many times the requests waiting at its level and above when it arrived (its turn
-//      in arrival order): a wait in time alone says nothing of how long arrival order would
-//      take on this engine, and a bound below that turns every held request overdue and the
-//      order back to arrival order (on an engine 2.5x slower, many_docs' resident-prefix
-//      order lost its whole gain to a 60 s bound).
+//      long at most, or its turns (below) if longer (then it waits only for older overdue
+//      requests, higher levels and, with length buckets, a nearer bucket's requests until it
+//      is the head itself: one pop).
+//      With oldest_first_turns set, a request is overdue only once, besides that time, that
+//      many times the requests waiting at its level and above when it arrived have left the
+//      queue (admitted, expired or cancelled: its turn in arrival order), and never before an
+//      older request of its FIFO: a wait in time alone says nothing of how long arrival order
+//      takes on this engine, and a bound below that makes every held request overdue and the
+//      order arrival order again (on an engine 2.5x slower, many_docs' resident-prefix order
+//      lost its whole gain to a 60 s bound).
 // A pop may name preferred requests (the caller's choice: those whose prompt prefix the
 // engine still holds in its prefix cache). A preferred request goes before every other one of
 // its effective priority or lower, oldest first, except that the request the order above
 // would take next is passed over this way at most affinity_max_overtakes times in all, then
-// it goes first (a bounded delay, not starvation), and never once it has waited
-// oldest_first_after_ns; with the limit at 0 nothing is preferred.
+// it goes first (a bounded delay, not starvation), and never once it is overdue (above); with
+// the limit at 0 nothing is preferred.
 // A FIFO's effective priority is its oldest request's, whichever end is taken from it. The
 // head request is the first by (effective priority, arrival order). A request costs
 // prompt_tokens + max_new_tokens (its KV footprint at the end) against the token budget; the
@@ -116,8 +118,8 @@ struct QueueConfig {
   Nanos max_wait_ns = 50'000'000;           // the seed's 50 ms
   Nanos aging_interval_ns = 0;              // 0: no aging
   Nanos lifo_after_ns = 0;                  // 0: always arrival order (see "Order" above)
-  Nanos oldest_first_after_ns = 0;          // newer requests pass a waiting one this long at most; 0: off
-  double oldest_first_turns = 0;            // ... and for this many times its arrival-order turn; 0: time alone
+  Nanos oldest_first_after_ns = 0;          // a waiting request is overdue no sooner; 0: never overdue
+  double oldest_first_turns = 0;            // ... nor before this many times its turn left; 0: time alone
   Nanos lifo_backlog_ns = 0;                // newest first only for a backlog of more admissions than this long's; 0: any
   std::int64_t affinity_max_overtakes = 0;  // preferred requests that may pass one; 0: off
   bool release_on_urgent = true;
@@ -207,7 +209,7 @@ class BatchQueue {
     Nanos enqueued_ns;
     Nanos deadline_ns;
     std::uint64_t seq;
-    std::int64_t due_admissions = 0;  // overdue no sooner than this many admissions in all
+    std::int64_t due_departures = 0;  // overdue no sooner than departures_ reaches this
     std::int64_t overtaken = 0;  // preferred requests taken before it while it was next
     [[nodiscard]] std::int64_t cost() const { return prompt_tokens + max_new_tokens; }
   };
@@ -218,7 +220,7 @@ class BatchQueue {
     std::uint64_t seq;
     Nanos enqueued_ns;
     std::int64_t cost;
-    std::int64_t due_admissions;
+    std::int64_t due_departures;
   };
   // Ordering key of one FIFO's head during a selection (scratch, reused across pops).
   struct HeadKey {
@@ -255,15 +257,15 @@ class BatchQueue {
   // The slot selection would take next from a FIFO (front, or back in a LIFO level), and its
   // arrival-order key (smaller first).
   [[nodiscard]] bool takes_back_locked(size_t fifo_index, Nanos now) const;
-  // Waited oldest_first_after_ns, and its turn's admissions: no newer request (newest first,
-  // preferred) goes before it.
-  [[nodiscard]] bool overdue(Nanos enqueued_ns, std::int64_t due_admissions, Nanos now) const {
+  // Waited oldest_first_after_ns and its turns: no newer request (newest first, preferred)
+  // goes before it.
+  [[nodiscard]] bool overdue_locked(Nanos enqueued_ns, std::int64_t due_departures,
+                                    Nanos now) const {
     return config_.oldest_first_after_ns > 0 &&
-           now - enqueued_ns >= config_.oldest_first_after_ns &&
-           counters_.admitted >= due_admissions;
+           now - enqueued_ns >= config_.oldest_first_after_ns && departures_ >= due_departures;
   }
-  // The admissions after which a request arriving at `priority` now may be overdue.
-  [[nodiscard]] std::int64_t due_admissions_locked(int priority) const;
+  // The departures after which a request arriving now in FIFO `fifo_index` may be overdue.
+  [[nodiscard]] std::int64_t due_departures_locked(size_t fifo_index);
   // True when level p's backlog (live requests at p and above) is more than the queue admits
   // in lifo_backlog_ns at the rate of the last lifo_backlog_ns (or of the time since it was
   // created, if shorter), and always when lifo_backlog_ns is 0.
@@ -297,6 +299,10 @@ class BatchQueue {
   std::vector<char> lifo_level_;  // scratch of select_locked: level served newest first
   std::vector<Preferred> preferred_;  // scratch of select_locked, best first
   std::int64_t queued_tokens_ = 0;
+  // Requests that left the queue (admitted, expired, cancelled), and per FIFO the latest due
+  // count given (never lowered: a FIFO's requests turn overdue in their order).
+  std::int64_t departures_ = 0;
+  std::vector<std::int64_t> last_due_;
   const Nanos created_ns_;
   // The pops of the last lifo_backlog_ns that admitted requests (when the rule can act).
   struct RecentPop {

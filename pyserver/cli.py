@@ -361,18 +361,18 @@ def _serve_parser(sub: Any) -> None:
         "--oldest-first-after-ms",
         _milliseconds,
         60000.0,
-        "a waiting request that has waited this long goes before the newer ones of its level: "
-        "bounds how long newest-first order and --prefix-affinity pass a call over (0: no bound; "
-        "else above --lifo-after-ms)",
+        "a waiting request that has waited this long (and its --oldest-first-turns) goes before "
+        "the newer ones of its level: bounds how long newest-first order and --prefix-affinity "
+        "pass a call over (0: no bound; else above --lifo-after-ms)",
     )
     _add(
         p,
         "--oldest-first-turns",
         _turns,
         2.0,
-        "... and once the queue has admitted this many times the calls waiting at its level and "
-        "above when it arrived (its arrival-order turn), so the bound keeps its meaning on a "
-        "slower engine (0: the time alone)",
+        "... and only once this many times the calls waiting at its level and above when it "
+        "arrived have left the queue (its arrival-order turn), so the bound stays above arrival "
+        "order's wait on a slower engine (0: the time alone)",
     )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")

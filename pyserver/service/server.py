@@ -60,8 +60,8 @@ class ServerSettings:
     aging_interval_s: float = 2.0
     lifo_after_s: float = 1.0  # a level whose oldest waited this long is served newest first
     prefix_affinity: int = 8  # resident-prefix requests may pass the next in line this often
-    oldest_first_after_s: float = 60.0  # newer requests pass a waiting one this long at most
-    oldest_first_turns: float = 2.0  # ... and for twice its arrival-order turn (admissions)
+    oldest_first_after_s: float = 60.0  # newer requests pass a waiting one this long at most,
+    oldest_first_turns: float = 2.0  # or until twice the calls ahead of it left, if longer
     lifo_backlog_s: float = 5.0  # newest first only for a backlog over this long's admissions
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption

@@ -543,19 +543,35 @@ TEST(BatchQueue, OverdueAlsoWaitsOutItsTurnsInAdmissions) {
   f.config.oldest_first_after_ns = 1'000 * kMs;
   f.config.oldest_first_turns = 4;
   auto q = f.make();
-  // Due after 0, 4, 8 and 12 admissions: 0, 1, 2 and 3 requests were waiting ahead of them.
+  // Due after 0, 4, 8 and 12 departures: 0, 1, 2 and 3 requests were waiting ahead of them.
   for (RequestId id = 1; id <= 4; ++id) push_ok(q, id, 10);
   f.clock->advance_ns(500 * kMs);
   push_ok(q, 5, 10);
   EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{5}));  // newest first
   f.clock->advance_ns(600 * kMs);  // 1-4 have waited 1.1 s
-  // 1 had nobody ahead: overdue. 2 has waited as long but only 2 of its 4 admissions passed:
+  // 1 had nobody ahead: overdue. 2 has waited as long but only 2 of its 4 turns have left:
   // newest first goes on (with the time alone: 1, 2, 3 in arrival order).
   EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{1}));
   EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{4}));
   push_ok(q, 6, 10);
   EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{6}));
   EXPECT_EQ(q.pop_batch(2, 1000, 0).admitted, (std::vector<RequestId>{2, 3}));  // 2: 4 admitted
+}
+
+TEST(BatchQueue, TurnsCountCancelledRequestsAheadAsGone) {
+  Fixture f;
+  f.config.lifo_after_ns = 100 * kMs;
+  f.config.oldest_first_after_ns = 1'000 * kMs;
+  f.config.oldest_first_turns = 2;
+  auto q = f.make();
+  for (RequestId id = 1; id <= 3; ++id) push_ok(q, id, 10);  // due after 0, 2, 4 departures
+  EXPECT_TRUE(q.cancel(1));                                   // 1 departure
+  f.clock->advance_ns(1'100 * kMs);
+  push_ok(q, 4, 10);
+  // 2 has waited 1.1 s, but only 1 of its 2 turns has left: newest first.
+  EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{4}));
+  // The cancelled one and one admission: 2's turns are over (counting admissions alone, 3).
+  EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{2}));
 }
 
 TEST(BatchQueue, OverdueRequestIsNeverPassedOver) {
