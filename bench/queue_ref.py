@@ -62,7 +62,6 @@ class ReferenceQueue:
         self._heaps: list[list[tuple[int, _Entry]]] = [
             [] for _ in range(priority_levels * self._buckets)
         ]
-        self._last_due = [0] * len(self._heaps)
         self._seq = 0
         self._front_seq = -1  # requeued requests: below every arrival, the latest lowest
 
@@ -75,7 +74,8 @@ class ReferenceQueue:
         if self._turns > 0:
             ahead = sum(len(h) for i, h in enumerate(self._heaps) if i // self._buckets >= priority)
             due = self._departures + math.ceil(self._turns * ahead)
-            due = self._last_due[index] = max(self._last_due[index], due)  # a FIFO's in order
+            # Never before the newest arrival still waiting in its FIFO: they turn in order.
+            due = max([due] + [e.due_departures for _, e in self._heaps[index] if e.seq >= 0])
         entry = _Entry(id, prompt_tokens + max_new_tokens, priority, bucket, now_ns, self._seq, due)
         heapq.heappush(self._heaps[index], (self._seq, entry))
         self._seq += 1

@@ -90,7 +90,6 @@ BatchQueue::BatchQueue(QueueConfig config, std::shared_ptr<const Clock> clock)
       level_size_(static_cast<size_t>(config_.priority_levels), 0),
       depth_(fifos_.size(), 0),
       tombstones_(fifos_.size(), 0),
-      last_due_(fifos_.size(), 0),
       created_ns_(clock_->now_ns()) {
   counters_.released.assign(kReleaseReasonCount, 0);
   entries_.reserve(static_cast<size_t>(std::min<std::int64_t>(config_.capacity, 1 << 16)));
@@ -189,8 +188,11 @@ std::int64_t BatchQueue::due_departures_locked(size_t fifo_index) {
   for (size_t p = fifo_index / bucket_count_; p < level_size_.size(); ++p) ahead += level_size_[p];
   const double turns = std::ceil(config_.oldest_first_turns * static_cast<double>(ahead));
   const std::int64_t due = departures_ + static_cast<std::int64_t>(turns);
-  last_due_[fifo_index] = std::max(last_due_[fifo_index], due);
-  return last_due_[fifo_index];
+  // Never before the newest request still waiting in its FIFO (its own due is the largest
+  // there): the FIFO's requests turn overdue in their order. A requeued one at the back has 0.
+  drop_dead_tails_locked(fifo_index);
+  const auto& q = fifos_[fifo_index];
+  return q.empty() ? due : std::max(due, q.back().due_departures);
 }
 
 void BatchQueue::insert_locked(RequestId id, const Entry& e, bool front) {

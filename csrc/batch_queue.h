@@ -42,8 +42,8 @@
 //      requests, higher levels and, with length buckets, a nearer bucket's requests until it
 //      is the head itself: one pop).
 //      With oldest_first_turns set, a request is overdue only once, besides that time, that
-//      many times the requests waiting at its level and above when it arrived have left the
-//      queue (admitted, expired or cancelled: its turn in arrival order), and never before an
+//      many times as many requests as were waiting at its level and above when it arrived have
+//      left the queue (admitted, expired or cancelled: its turn in arrival order), never before an
 //      older request of its FIFO: a wait in time alone says nothing of how long arrival order
 //      takes on this engine, and a bound below that makes every held request overdue and the
 //      order arrival order again (on an engine 2.5x slower, many_docs' resident-prefix order
@@ -299,10 +299,8 @@ class BatchQueue {
   std::vector<char> lifo_level_;  // scratch of select_locked: level served newest first
   std::vector<Preferred> preferred_;  // scratch of select_locked, best first
   std::int64_t queued_tokens_ = 0;
-  // Requests that left the queue (admitted, expired, cancelled), and per FIFO the latest due
-  // count given (never lowered: a FIFO's requests turn overdue in their order).
+  // Requests that left the queue (admitted, expired, cancelled): what oldest_first_turns counts.
   std::int64_t departures_ = 0;
-  std::vector<std::int64_t> last_due_;
   const Nanos created_ns_;
   // The pops of the last lifo_backlog_ns that admitted requests (when the rule can act).
   struct RecentPop {

@@ -370,9 +370,9 @@ def _serve_parser(sub: Any) -> None:
         "--oldest-first-turns",
         _turns,
         2.0,
-        "... and only once this many times the calls waiting at its level and above when it "
-        "arrived have left the queue (its arrival-order turn), so the bound stays above arrival "
-        "order's wait on a slower engine (0: the time alone)",
+        "... and only once this many times as many calls as were waiting at its level and "
+        "above when it arrived have left the queue (its arrival-order turn), so the bound stays "
+        "above arrival order's wait on a slower engine (0: the time alone)",
     )
     _add(p, "--max-prompt-tokens", int, 0, "largest prompt accepted (0: max_model_len - 1)")
     _add(p, "--max-tokens-limit", int, 0, "largest max_tokens accepted (0: max_model_len - 1)")

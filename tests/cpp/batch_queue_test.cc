@@ -537,7 +537,7 @@ TEST(BatchQueue, NewestFirstServesOverdueRequestsOldestFirst) {
   EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{3}));
 }
 
-TEST(BatchQueue, OverdueAlsoWaitsOutItsTurnsInAdmissions) {
+TEST(BatchQueue, OverdueAlsoWaitsOutItsTurns) {
   Fixture f;
   f.config.lifo_after_ns = 100 * kMs;
   f.config.oldest_first_after_ns = 1'000 * kMs;
@@ -572,6 +572,23 @@ TEST(BatchQueue, TurnsCountCancelledRequestsAheadAsGone) {
   EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{4}));
   // The cancelled one and one admission: 2's turns are over (counting admissions alone, 3).
   EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{2}));
+}
+
+TEST(BatchQueue, TurnsOfRequestsGoneLeaveNoMark) {
+  Fixture f;
+  f.config.lifo_after_ns = 100 * kMs;
+  f.config.oldest_first_after_ns = 1'000 * kMs;
+  f.config.oldest_first_turns = 2;
+  auto q = f.make();
+  for (RequestId id = 1; id <= 3; ++id) push_ok(q, id, 10);  // due after 0, 2, 4 departures
+  f.clock->advance_ns(200 * kMs);
+  for (RequestId id : {3, 2, 1})  // newest first, until none is left
+    EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{id}));
+  // The FIFO is empty: 4 has nobody ahead and is due at once (3 departures), not after 3's 4.
+  push_ok(q, 4, 10);
+  f.clock->advance_ns(1'100 * kMs);
+  push_ok(q, 5, 10);
+  EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{4}));  // overdue: first
 }
 
 TEST(BatchQueue, OverdueRequestIsNeverPassedOver) {
