@@ -537,11 +537,17 @@ TEST(BatchQueue, NewestFirstServesOverdueRequestsOldestFirst) {
   EXPECT_EQ(q.pop_batch(1, 1000, 0).admitted, (std::vector<RequestId>{3}));
 }
 
-TEST(BatchQueue, OverdueAlsoWaitsOutItsTurns) {
+// Newest first after 100 ms, overdue after 1 s and `turns` times the requests ahead leaving.
+Fixture turns_fixture(double turns) {
   Fixture f;
   f.config.lifo_after_ns = 100 * kMs;
   f.config.oldest_first_after_ns = 1'000 * kMs;
-  f.config.oldest_first_turns = 4;
+  f.config.oldest_first_turns = turns;
+  return f;
+}
+
+TEST(BatchQueue, OverdueAlsoWaitsOutItsTurns) {
+  Fixture f = turns_fixture(4);
   auto q = f.make();
   // Due after 0, 4, 8 and 12 departures: 0, 1, 2 and 3 requests were waiting ahead of them.
   for (RequestId id = 1; id <= 4; ++id) push_ok(q, id, 10);
@@ -559,10 +565,7 @@ TEST(BatchQueue, OverdueAlsoWaitsOutItsTurns) {
 }
 
 TEST(BatchQueue, TurnsCountCancelledRequestsAheadAsGone) {
-  Fixture f;
-  f.config.lifo_after_ns = 100 * kMs;
-  f.config.oldest_first_after_ns = 1'000 * kMs;
-  f.config.oldest_first_turns = 2;
+  Fixture f = turns_fixture(2);
   auto q = f.make();
   for (RequestId id = 1; id <= 3; ++id) push_ok(q, id, 10);  // due after 0, 2, 4 departures
   EXPECT_TRUE(q.cancel(1));                                   // 1 departure
@@ -575,10 +578,7 @@ TEST(BatchQueue, TurnsCountCancelledRequestsAheadAsGone) {
 }
 
 TEST(BatchQueue, TurnsOfRequestsGoneLeaveNoMark) {
-  Fixture f;
-  f.config.lifo_after_ns = 100 * kMs;
-  f.config.oldest_first_after_ns = 1'000 * kMs;
-  f.config.oldest_first_turns = 2;
+  Fixture f = turns_fixture(2);
   auto q = f.make();
   for (RequestId id = 1; id <= 3; ++id) push_ok(q, id, 10);  // due after 0, 2, 4 departures
   f.clock->advance_ns(200 * kMs);

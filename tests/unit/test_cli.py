@@ -220,28 +220,23 @@ def test_bad_queue_durations_are_refused_before_the_engine_loads(
     assert "expected milliseconds >= 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "inf", "twice", "1e6"])
-def test_the_oldest_first_turns_must_be_a_multiple_in_range(
-    value: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("flag", "value", "wanted"),
+    [("--preempt-after-ms", v, "(negative: never)") for v in ("nan", "inf", "later", "1e13")]
+    + [
+        ("--oldest-first-turns", v, "expected a multiple >= 0 and < 1e+06")
+        for v in ("-1", "nan", "inf", "twice", "1e6")
+    ],
+)
+def test_a_preemption_delay_and_the_oldest_first_turns_must_be_numbers_in_range(
+    flag: str, value: str, wanted: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from pyserver.cli import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--oldest-first-turns", value])
+        main(["serve", flag, value])
     assert exit_.value.code == 2
-    assert "expected a multiple >= 0 and < 1e+06" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("value", ["nan", "inf", "later", "1e13"])
-def test_a_preemption_delay_must_be_a_number(
-    value: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from pyserver.cli import main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--preempt-after-ms", value])
-    assert exit_.value.code == 2
-    assert "(negative: never)" in capsys.readouterr().err
+    assert wanted in capsys.readouterr().err
 
 
 def test_a_backlog_span_over_an_hour_is_a_usage_error(
