@@ -187,7 +187,7 @@ std::int64_t BatchQueue::due_departures_locked(size_t fifo_index) {
   std::int64_t ahead = 0;  // its turn: everyone waiting at its level and above leaves first
   for (size_t p = fifo_index / bucket_count_; p < level_size_.size(); ++p) ahead += level_size_[p];
   const double turns = std::ceil(config_.oldest_first_turns * static_cast<double>(ahead));
-  const std::int64_t due = departures_ + static_cast<std::int64_t>(turns);
+  const std::int64_t due = departures_locked() + static_cast<std::int64_t>(turns);
   // Never before the newest request still waiting in its FIFO (its own due is the largest
   // there): the FIFO's requests turn overdue in their order. A requeued one at the back has 0.
   drop_dead_tails_locked(fifo_index);
@@ -307,7 +307,6 @@ void BatchQueue::expire_locked(Nanos now, std::vector<RequestId>& out) {
     remove_locked(item.id, e);
     out.push_back(item.id);
     ++counters_.expired;
-    ++departures_;
   }
   // Deadlines of requests admitted earlier stay in the heap; rebuild when they dominate.
   if (deadlines_.size() > 64 && deadlines_.size() > 2 * entries_.size()) {
@@ -560,7 +559,6 @@ PopResult BatchQueue::pop_batch(std::int64_t max_requests, std::int64_t max_toke
         urgent_pending_ = false;
         window_start_ns_ = entries_.empty() ? -1 : now;
         counters_.admitted += static_cast<std::int64_t>(result.admitted.size());
-        departures_ += static_cast<std::int64_t>(result.admitted.size());
         note_admissions_locked(result.admitted.size(), now);
         break;
       }
@@ -597,7 +595,6 @@ bool BatchQueue::cancel(RequestId id) {
     remove_locked(id, e);
     cancelled_.push_back(id);
     ++counters_.cancelled;
-    ++departures_;
   }
   cv_.notify_all();
   return true;

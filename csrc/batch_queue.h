@@ -209,7 +209,7 @@ class BatchQueue {
     Nanos enqueued_ns;
     Nanos deadline_ns;
     std::uint64_t seq;
-    std::int64_t due_departures = 0;  // overdue no sooner than departures_ reaches this
+    std::int64_t due_departures = 0;  // overdue no sooner than departures_locked() reaches this
     std::int64_t overtaken = 0;  // preferred requests taken before it while it was next
     [[nodiscard]] std::int64_t cost() const { return prompt_tokens + max_new_tokens; }
   };
@@ -262,7 +262,12 @@ class BatchQueue {
   [[nodiscard]] bool overdue_locked(Nanos enqueued_ns, std::int64_t due_departures,
                                     Nanos now) const {
     return config_.oldest_first_after_ns > 0 &&
-           now - enqueued_ns >= config_.oldest_first_after_ns && departures_ >= due_departures;
+           now - enqueued_ns >= config_.oldest_first_after_ns &&
+           departures_locked() >= due_departures;
+  }
+  // Requests that left the queue (admitted, expired, cancelled): what oldest_first_turns counts.
+  [[nodiscard]] std::int64_t departures_locked() const {
+    return counters_.admitted + counters_.expired + counters_.cancelled;
   }
   // The departures after which a request arriving now in FIFO `fifo_index` may be overdue.
   [[nodiscard]] std::int64_t due_departures_locked(size_t fifo_index);
@@ -299,8 +304,6 @@ class BatchQueue {
   std::vector<char> lifo_level_;  // scratch of select_locked: level served newest first
   std::vector<Preferred> preferred_;  // scratch of select_locked, best first
   std::int64_t queued_tokens_ = 0;
-  // Requests that left the queue (admitted, expired, cancelled): what oldest_first_turns counts.
-  std::int64_t departures_ = 0;
   const Nanos created_ns_;
   // The pops of the last lifo_backlog_ns that admitted requests (when the rule can act).
   struct RecentPop {
