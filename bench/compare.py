@@ -32,6 +32,10 @@ Workloads (seeded; chat-templated once with the model's tokenizer; closed loop; 
                  in arrival order, and reordered by document with all of them known in
                  advance (an oracle order: what a prefix-aware admission could at best do for
                  throughput); headline level only
+  conversations (opt-in)  --turns-turn chats replayed from a script: an opening with pasted
+                 text, short follow-ups, each turn's prompt the whole history so far (the
+                 earlier replies scripted), the next turn sent by the same caller when the
+                 last one ended; 64 tokens per turn; headline level only
 Prefix caching is on for every target (the same flag), as are --max-num-seqs and
 --max-num-batched-tokens (explicit: vLLM's defaults differ between its entry points).
 
@@ -98,8 +102,9 @@ RESULTS = HERE / "results"
 WORKLOADS = ("fixed64", "chat", "shared_prefix")
 # Opt-in (--workloads, one per invocation: in one server start the second would inherit the
 # first's prefix cache): many documents in rotation, the same calls in arrival order and
-# grouped by document (an oracle order, every call known in advance).
-EXTRA_WORKLOADS = ("many_docs", "many_docs_grouped")
+# grouped by document (an oracle order, every call known in advance); multi-turn
+# conversations, each turn's prompt the whole history before it.
+EXTRA_WORKLOADS = ("many_docs", "many_docs_grouped", "conversations")
 # Environment variables that change how a target computes; each target's `setup` lists them.
 RELEVANT_ENV = (
     "VLLM_CPU_OMP_THREADS_BIND",
@@ -234,6 +239,7 @@ class Item:
     ids: tuple[int, ...]  # its token ids (vllm_grpc takes ids only; lengths for the report)
     max_tokens: int
     ignore_eos: bool
+    continues: bool = False  # the next turn of the item before it (sent after that one ends)
 
 
 @dataclass
@@ -266,11 +272,11 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
         ]
         return str(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
 
-    def item(text: str, max_tokens: int, ignore_eos: bool) -> Item:
+    def item(text: str, max_tokens: int, ignore_eos: bool, continues: bool = False) -> Item:
         ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
         # Leave room in the context for the answer (chat's tail can reach the limit).
         max_tokens = max(1, min(max_tokens, args.max_model_len - len(ids) - 1))
-        return Item(text, ids, max_tokens, ignore_eos)
+        return Item(text, ids, max_tokens, ignore_eos, continues)
 
     levels = [c for c in args.sweep if c != args.concurrency]
     n_head = args.warmup + args.requests
@@ -324,7 +330,10 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
         *split(shared),
         f"one {len(tok(system)['input_ids'])}-token system document, short questions, 64 tokens",
     )
-    if not set(EXTRA_WORKLOADS) & set(args.workloads.split(",")):
+    wanted = set(args.workloads.split(","))
+    if "conversations" in wanted:
+        out["conversations"] = conversations(args, tok, total, split)
+    if not {"many_docs", "many_docs_grouped"} & wanted:
         return out
     doc_rng = random.Random(args.seed + 3)
     docs = [document(doc_rng, args.doc_tokens, f"document {d}") for d in range(args.docs)]
@@ -346,6 +355,75 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
         f"{what}, the same calls sent grouped by document",
     )
     return out
+
+
+def conversations(
+    args: argparse.Namespace,
+    tok: Any,
+    total: int,
+    split: Callable[[list[Item]], tuple[list[Item], dict[int, list[Item]]]],
+) -> Workload:
+    """Multi-turn chats of --turns turns: an opening message with pasted text (log-normal,
+    median --paste-words words), then short follow-ups; each turn's prompt is the whole history
+    before it, the assistant's earlier replies scripted (log-normal, median --reply-words) so
+    every target is sent the same prompts, as a replayed chat log would be. 64 tokens per turn.
+    A conversation's next turn goes out when its last one ended, from the same caller; what a
+    prefix cache can reuse is the previous turn's prompt. The warm-up calls are openings of
+    their own conversations."""
+    rng = np.random.default_rng(args.seed + 4)
+    pick = random.Random(args.seed + 4)
+    limit = args.max_model_len - 64  # a turn's prompt leaves room for its 64-token answer
+
+    def words(median: float, low: int, high: int) -> str:
+        n = int(np.clip(rng.lognormal(np.log(median), 0.6), low, high))
+        return " ".join(pick.choice(_TOPICS) for _ in range(n))
+
+    def reply() -> str:
+        n = int(np.clip(rng.lognormal(np.log(args.reply_words / 8), 0.5), 2, 60))
+        return " ".join(
+            f"The {pick.choice(_TOPICS)} near the {pick.choice(_TOPICS)} holds the "
+            f"{pick.choice(_TOPICS)}."
+            for _ in range(n)
+        )
+
+    items: list[Item] = []
+    history: list[dict[str, str]] = []
+    while len(items) < total:
+        opening = not history or len(history) >= 2 * args.turns - 1
+        if opening:
+            history = [
+                {
+                    "role": "user",
+                    "content": f"{pick.choice(_ASKS)} the text below.\n\n"
+                    + words(args.paste_words, 20, 4 * args.paste_words),
+                }
+            ]
+        else:
+            history += [
+                {"role": "assistant", "content": reply()},
+                {"role": "user", "content": f"{pick.choice(_ASKS)} " + words(12, 3, 80)},
+            ]
+        text = str(tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True))
+        turn = item_of(tok, text, limit, continues=not opening)
+        if turn is None:  # the history outgrew the context: this turn opens a new chat
+            history = []
+            continue
+        items.append(turn)
+        if len(items) <= args.warmup:
+            history = []  # each warm-up call is a conversation of one turn
+    return Workload(
+        "conversations",
+        *split(items),
+        f"{args.turns}-turn chats: an opening with ~{args.paste_words} pasted words, scripted "
+        f"replies (~{args.reply_words} words), short follow-ups; each turn the whole history, "
+        "64 tokens",
+    )
+
+
+def item_of(tok: Any, text: str, limit: int, continues: bool) -> Item | None:
+    """A 64-token turn (ignore_eos), None if its prompt leaves no room for the answer."""
+    ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
+    return Item(text, ids, 64, True, continues) if len(ids) <= limit else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,7 +641,7 @@ class Client:
 
 
 async def run_level(client: Client, items: list[Item], c: int, warmup: int, label: str) -> Report:
-    report = await closed_loop(client.send, items, c, warmup, label)
+    report = await closed_loop(client.send, items, c, warmup, label, lambda i: i.continues)
     report.streaming = client.streaming
     return report
 
@@ -897,6 +975,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-tokens", type=int, default=1500, help="shared_prefix document size")
     p.add_argument("--docs", type=int, default=128, help="many_docs: documents in rotation")
     p.add_argument("--doc-tokens", type=int, default=1000, help="many_docs: document size")
+    p.add_argument("--turns", type=int, default=3, help="conversations: turns per chat")
+    p.add_argument(
+        "--paste-words", type=int, default=300, help="conversations: opening's median length"
+    )
+    p.add_argument(
+        "--reply-words", type=int, default=120, help="conversations: scripted replies' median"
+    )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument(
@@ -924,10 +1009,10 @@ def parser() -> argparse.ArgumentParser:
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill what the defaults leave to the machine: the model folder and the dtype."""
     args.sweep_full = [w for w in args.sweep_full.split(",") if w]
-    if set(EXTRA_WORKLOADS) <= set(args.workloads.split(",")):
+    if len(set(EXTRA_WORKLOADS) & set(args.workloads.split(","))) > 1:
         raise SystemExit(
-            "run many_docs and many_docs_grouped in separate invocations: in one server start "
-            "the second inherits the first's prefix cache"
+            f"run each of {', '.join(EXTRA_WORKLOADS)} in an invocation of its own: in one "
+            "server start the second inherits the first's prefix cache"
         )
     if not 0 <= args.sweep_rounds <= args.rounds:
         raise SystemExit(

@@ -171,27 +171,39 @@ async def closed_loop(
     concurrency: int,
     warmup: int,
     label: str = "",
+    continues: Callable[[T], bool] | None = None,
 ) -> Report:
-    """`concurrency` workers each send the next prompt as soon as their last one finished."""
+    """`concurrency` workers each send the next prompt as soon as their last one finished.
+    `continues(text)`: the text is the next turn of the one before it in `texts` (a multi-turn
+    conversation), so the worker that sent that one sends it, right after that one finished,
+    and takes the next conversation once its turns are done."""
     report = Report()
     for text in texts[:warmup]:
         await send(text)
-    pending = list(reversed(texts[warmup:]))
-    bar = tqdm(total=len(pending), desc=label or f"c={concurrency}", file=sys.stderr, leave=False)
+    chains: list[list[T]] = []
+    for text in texts[warmup:]:
+        if chains and continues is not None and continues(text):
+            chains[-1].append(text)
+        else:
+            chains.append([text])
+    pending = list(reversed(chains))
+    bar = tqdm(
+        total=len(texts) - warmup, desc=label or f"c={concurrency}", file=sys.stderr, leave=False
+    )
 
     async def worker() -> None:
         while pending:
-            text = pending.pop()
-            try:
-                report.samples.append(await send(text))
-            except grpc.aio.AioRpcError as err:
-                report.errors[err.code().name] = report.errors.get(err.code().name, 0) + 1
-            except Exception as err:  # an HTTP peer's failure, counted by its type
-                name = type(err).__name__
-                report.errors[name] = report.errors.get(name, 0) + 1
-            if not report.first_done_s:  # the first wave is what was sent before this
-                report.first_done_s = time.perf_counter()
-            bar.update()
+            for text in pending.pop():
+                try:
+                    report.samples.append(await send(text))
+                except grpc.aio.AioRpcError as err:
+                    report.errors[err.code().name] = report.errors.get(err.code().name, 0) + 1
+                except Exception as err:  # an HTTP peer's failure, counted by its type
+                    name = type(err).__name__
+                    report.errors[name] = report.errors.get(name, 0) + 1
+                if not report.first_done_s:  # the first wave is what was sent before this
+                    report.first_done_s = time.perf_counter()
+                bar.update()
 
     start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))

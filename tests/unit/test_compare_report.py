@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,35 @@ def test_peer_preload_resolves_auto_none_or_a_given_value(
     args = compare.parser().parse_args(["--model", "m", "--dtype", "float32"])
     args.peer_preload = given
     assert compare.resolve(args).peer_preload == expected
+
+
+def test_the_closed_loop_sends_a_conversations_turns_in_order_each_after_the_last_ended() -> None:
+    # Calls are (conversation, turn); turn > 0 continues the call before it.
+    calls = [(c, t) for c in range(4) for t in range(3)]
+    events: list[tuple[str, tuple[int, int], float]] = []
+    loop_time = time.perf_counter
+
+    async def send(call: tuple[int, int]) -> Sample:
+        events.append(("start", call, loop_time()))
+        await asyncio.sleep(0.05 if call[0] % 2 else 0.02)
+        events.append(("end", call, loop_time()))
+        clock = TokenClock()
+        clock.add(1)
+        return clock.sample()
+
+    report = asyncio.run(closed_loop(send, calls, 2, 0, continues=lambda call: call[1] > 0))
+    assert len(report.samples) == 12 and not report.errors
+    for c in range(4):
+        for t in (1, 2):
+            ended = next(at for e, call, at in events if e == "end" and call == (c, t - 1))
+            started = next(at for e, call, at in events if e == "start" and call == (c, t))
+            assert started >= ended  # a turn goes out only after the one before it came back
+    # Two callers: never more than two calls in flight, so conversations 2 and 3 wait for
+    # 0 and 1 to finish all their turns.
+    in_flight = peak = 0
+    for e, _, _ in sorted(events, key=lambda ev: ev[2]):
+        in_flight += 1 if e == "start" else -1
+        peak = max(peak, in_flight)
+    assert peak == 2
+    first_of_2 = next(at for e, call, at in events if e == "start" and call == (2, 0))
+    assert first_of_2 >= next(at for e, call, at in events if e == "end" and call == (0, 2))
