@@ -272,11 +272,11 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
         ]
         return str(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
 
-    def item(text: str, max_tokens: int, ignore_eos: bool, continues: bool = False) -> Item:
+    def item(text: str, max_tokens: int, ignore_eos: bool) -> Item:
         ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
         # Leave room in the context for the answer (chat's tail can reach the limit).
         max_tokens = max(1, min(max_tokens, args.max_model_len - len(ids) - 1))
-        return Item(text, ids, max_tokens, ignore_eos, continues)
+        return Item(text, ids, max_tokens, ignore_eos)
 
     levels = [c for c in args.sweep if c != args.concurrency]
     n_head = args.warmup + args.requests
@@ -332,7 +332,7 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
     )
     wanted = set(args.workloads.split(","))
     if "conversations" in wanted:
-        out["conversations"] = conversations(args, tok, total, split)
+        out["conversations"] = conversations(args, tok)
     if not {"many_docs", "many_docs_grouped"} & wanted:
         return out
     doc_rng = random.Random(args.seed + 3)
@@ -344,7 +344,9 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
         user = f"Question {i}: what does the document say about the {a} and the {b}?"
         many.append(item(template(user, docs[d]), 64, True))
     what = f"{args.docs} documents of ~{args.doc_tokens} tokens as system prompts, 64 tokens"
-    out["many_docs"] = Workload("many_docs", *split(many), f"{what}, documents picked uniformly")
+    # Headline level only: a sweep level would find the headline's documents still cached.
+    head, _ = split(many)
+    out["many_docs"] = Workload("many_docs", head, {}, f"{what}, documents picked uniformly")
     warm = args.warmup
     head = out["many_docs"].headline
     order = sorted(range(warm, len(head)), key=lambda i: picked[i])
@@ -357,22 +359,20 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
     return out
 
 
-def conversations(
-    args: argparse.Namespace,
-    tok: Any,
-    total: int,
-    split: Callable[[list[Item]], tuple[list[Item], dict[int, list[Item]]]],
-) -> Workload:
-    """Multi-turn chats of --turns turns: an opening message with pasted text (log-normal,
-    median --paste-words words), then short follow-ups; each turn's prompt is the whole history
-    before it, the assistant's earlier replies scripted (log-normal, median --reply-words) so
-    every target is sent the same prompts, as a replayed chat log would be. 64 tokens per turn.
-    A conversation's next turn goes out when its last one ended, from the same caller; what a
-    prefix cache can reuse is the previous turn's prompt. The warm-up calls are openings of
-    their own conversations."""
+def conversations(args: argparse.Namespace, tok: Any) -> Workload:
+    """--requests ÷ --turns multi-turn chats (headline level only): an opening message with
+    pasted text (log-normal, median --paste-words words), then short follow-ups; each turn's
+    prompt is the whole history before it, the assistant's earlier replies scripted
+    (log-normal, median --reply-words) so every target is sent the same prompts, as a replayed
+    chat log would be. 64 tokens per turn. A conversation's next turn goes out when its last one
+    ended, from the same caller; what a prefix cache can reuse is the previous turn's prompt.
+    The warm-up calls are openings of conversations of their own."""
+    if args.requests % args.turns:
+        raise SystemExit(f"--requests ({args.requests}) must be a multiple of --turns")
     rng = np.random.default_rng(args.seed + 4)
     pick = random.Random(args.seed + 4)
-    limit = args.max_model_len - 64  # a turn's prompt leaves room for its 64-token answer
+    # A turn's prompt leaves room for its 64-token answer and a token to spare.
+    limit = args.max_model_len - 65
 
     def words(median: float, low: int, high: int) -> str:
         n = int(np.clip(rng.lognormal(np.log(median), 0.6), low, high))
@@ -386,44 +386,41 @@ def conversations(
             for _ in range(n)
         )
 
-    items: list[Item] = []
-    history: list[dict[str, str]] = []
-    while len(items) < total:
-        opening = not history or len(history) >= 2 * args.turns - 1
-        if opening:
-            history = [
-                {
-                    "role": "user",
-                    "content": f"{pick.choice(_ASKS)} the text below.\n\n"
-                    + words(args.paste_words, 20, 4 * args.paste_words),
-                }
-            ]
-        else:
-            history += [
-                {"role": "assistant", "content": reply()},
-                {"role": "user", "content": f"{pick.choice(_ASKS)} " + words(12, 3, 80)},
-            ]
-        text = str(tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True))
-        turn = item_of(tok, text, limit, continues=not opening)
-        if turn is None:  # the history outgrew the context: this turn opens a new chat
-            history = []
-            continue
-        items.append(turn)
-        if len(items) <= args.warmup:
-            history = []  # each warm-up call is a conversation of one turn
+    def conversation(turns: int) -> list[Item]:
+        """One chat of `turns` turns, drawn again until its last turn fits the context."""
+        while True:
+            opening = f"{pick.choice(_ASKS)} the text below.\n\n" + words(
+                args.paste_words, 20, 4 * args.paste_words
+            )
+            history = [{"role": "user", "content": opening}]
+            out: list[Item] = []
+            for t in range(turns):
+                if t:
+                    history += [
+                        {"role": "assistant", "content": reply()},
+                        {"role": "user", "content": f"{pick.choice(_ASKS)} " + words(12, 3, 80)},
+                    ]
+                text = str(
+                    tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+                )
+                ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
+                if len(ids) > limit:
+                    break
+                out.append(Item(text, ids, 64, True, continues=t > 0))
+            if len(out) == turns:
+                return out
+
+    items = [turn for _ in range(args.warmup) for turn in conversation(1)]
+    for _ in range(args.requests // args.turns):
+        items += conversation(args.turns)
     return Workload(
         "conversations",
-        *split(items),
-        f"{args.turns}-turn chats: an opening with ~{args.paste_words} pasted words, scripted "
-        f"replies (~{args.reply_words} words), short follow-ups; each turn the whole history, "
-        "64 tokens",
+        items,
+        {},  # no sweep: its slices would cut conversations apart
+        f"{args.requests // args.turns} {args.turns}-turn chats: an opening with "
+        f"~{args.paste_words} pasted words, scripted replies (~{args.reply_words} words), short "
+        "follow-ups; each turn the whole history, 64 tokens",
     )
-
-
-def item_of(tok: Any, text: str, limit: int, continues: bool) -> Item | None:
-    """A 64-token turn (ignore_eos), None if its prompt leaves no room for the answer."""
-    ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
-    return Item(text, ids, 64, True, continues) if len(ids) <= limit else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class Sample:
     gaps_s: list[float]
     priority: int = 0
     sent_s: float = 0.0  # perf_counter() when the request was sent
+    turn: int = 0  # closed loop with conversations: the turn's place in its conversation
 
 
 class TokenClock:
@@ -97,6 +98,7 @@ class Report:
     client_cpu_s: float = 0.0  # this load generator's own CPU time during the run
     streaming: bool = True  # False: the whole answer comes at once, there are no token gaps
     first_done_s: float = 0.0  # closed loop: perf_counter() when its first request ended
+    conversations_s: list[float] = field(default_factory=list)  # each multi-turn chain's span
 
     def summary(self) -> dict[str, object]:
         ok = self.samples
@@ -132,9 +134,24 @@ class Report:
             "e2e_p50_ms": pct(e2e, 50),
             "e2e_p90_ms": pct(e2e, 90),
             "e2e_p99_ms": pct(e2e, 99),
+            **self._conversations(pct),
             # The client shares the machine with the server: its CPU is the server's loss.
             "client_cpu_pct": round(100 * self.client_cpu_s / self.wall_s, 1),
             "errors": self.errors,
+        }
+
+    def _conversations(self, pct: Callable[[list[float], float], float]) -> dict[str, object]:
+        """Multi-turn runs: TTFT of the openings and of the later turns apart (the order a
+        server picks can favour one over the other), and each conversation's first send to
+        last answer."""
+        if not self.conversations_s:
+            return {}
+        openings = [s.ttft_s for s in self.samples if s.turn == 0]
+        follow_ups = [s.ttft_s for s in self.samples if s.turn > 0]
+        return {
+            "ttft_openings_p50_p90_p99_ms": [pct(openings, q) for q in (50, 90, 99)],
+            "ttft_follow_ups_p50_p90_p99_ms": [pct(follow_ups, q) for q in (50, 90, 99)],
+            "conversation_p50_p90_p99_ms": [pct(self.conversations_s, q) for q in (50, 90, 99)],
         }
 
 
@@ -193,9 +210,13 @@ async def closed_loop(
 
     async def worker() -> None:
         while pending:
-            for text in pending.pop():
+            chain = pending.pop()
+            began = time.perf_counter()
+            for turn, text in enumerate(chain):
                 try:
-                    report.samples.append(await send(text))
+                    sample = await send(text)
+                    sample.turn = turn
+                    report.samples.append(sample)
                 except grpc.aio.AioRpcError as err:
                     report.errors[err.code().name] = report.errors.get(err.code().name, 0) + 1
                 except Exception as err:  # an HTTP peer's failure, counted by its type
@@ -204,6 +225,8 @@ async def closed_loop(
                 if not report.first_done_s:  # the first wave is what was sent before this
                     report.first_done_s = time.perf_counter()
                 bar.update()
+            if continues is not None:
+                report.conversations_s.append(time.perf_counter() - began)
 
     start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from compare import summarize, sweep_tables
+from compare import conversations, summarize, sweep_tables
 from load import Report, Sample, TokenClock, closed_loop
 
 
@@ -169,6 +170,11 @@ def test_the_closed_loop_sends_a_conversations_turns_in_order_each_after_the_las
 
     report = asyncio.run(closed_loop(send, calls, 2, 0, continues=lambda call: call[1] > 0))
     assert len(report.samples) == 12 and not report.errors
+    assert sorted(s.turn for s in report.samples) == [0] * 4 + [1] * 4 + [2] * 4
+    assert len(report.conversations_s) == 4  # one span per conversation
+    summary = report.summary()
+    assert summary["ttft_openings_p50_p90_p99_ms"] and summary["conversation_p50_p90_p99_ms"]
+    assert min(report.conversations_s) >= 3 * 0.02  # three turns one after another
     for c in range(4):
         for t in (1, 2):
             ended = next(at for e, call, at in events if e == "end" and call == (c, t - 1))
@@ -183,3 +189,34 @@ def test_the_closed_loop_sends_a_conversations_turns_in_order_each_after_the_las
     assert peak == 2
     first_of_2 = next(at for e, call, at in events if e == "start" and call == (2, 0))
     assert first_of_2 >= next(at for e, call, at in events if e == "end" and call == (0, 2))
+
+
+class _WordTokenizer:
+    """A stand-in for the model's tokenizer: one id per word, a template that joins turns."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [len(w) for w in text.split()]}
+
+    def apply_chat_template(self, msgs: list[dict[str, str]], **_: object) -> str:
+        return " ".join(f"<{m['role']}> {m['content']}" for m in msgs) + " <assistant>"
+
+
+def test_the_conversations_workload_is_whole_chats_each_turn_extending_the_last() -> None:
+    args = argparse.Namespace(
+        seed=3, warmup=2, requests=30, turns=3, paste_words=40, reply_words=60, max_model_len=260
+    )
+    w = conversations(args, _WordTokenizer())
+    items = w.headline
+    assert not w.sweep and len(items) == 2 + 30
+    assert not any(i.continues for i in items[:3])  # two one-turn warm-ups, then an opening
+    chats = [items[k : k + 3] for k in range(2, len(items), 3)]
+    assert len(chats) == 10
+    for chat in chats:
+        assert [i.continues for i in chat] == [False, True, True]
+        for before, after in itertools.pairwise(chat):
+            assert after.text.startswith(before.text.removesuffix(" <assistant>"))
+            assert len(after.ids) > len(before.ids)
+    # A chat whose last turn would not leave room for its answer was drawn again.
+    assert max(len(i.ids) for i in items) <= args.max_model_len - 65
+    with pytest.raises(SystemExit, match="multiple of --turns"):
+        conversations(argparse.Namespace(**{**vars(args), "requests": 31}), _WordTokenizer())
