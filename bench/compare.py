@@ -718,6 +718,11 @@ _MEDIAN_KEYS = (
     "ttft_p99_after_first_wave_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
     "client_cpu_pct", "output_tokens",
 )  # fmt: skip
+# Multi-turn runs only (bench/load.py's Report): [p50, p90, p99] lists, medians per position.
+_MEDIAN_LISTS = (
+    "ttft_openings_p50_p90_p99_ms", "ttft_follow_ups_p50_p90_p99_ms",
+    "conversation_p50_p90_p99_ms",
+)  # fmt: skip
 
 
 def aggregate(per_round: list[dict[str, Any]]) -> dict[str, Any]:
@@ -727,6 +732,9 @@ def aggregate(per_round: list[dict[str, Any]]) -> dict[str, Any]:
     for k in _MEDIAN_KEYS:
         vals = [r[k] for r in ok if r.get(k) is not None]
         out[k] = round(float(np.median(vals)), 1) if vals else None
+    for k in _MEDIAN_LISTS:
+        if lists := [r[k] for r in ok if r.get(k)]:
+            out[k] = [round(float(v), 1) for v in np.median(lists, axis=0)]
     for k in ("output_tok_s", "ttft_p99_ms"):
         vals = [r[k] for r in ok if r.get(k) is not None]
         if vals:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from compare import conversations, summarize, sweep_tables
+from compare import aggregate, conversations, summarize, sweep_tables
 from load import Report, Sample, TokenClock, closed_loop
 
 
@@ -220,3 +220,13 @@ def test_the_conversations_workload_is_whole_chats_each_turn_extending_the_last(
     assert max(len(i.ids) for i in items) <= args.max_model_len - 65
     with pytest.raises(SystemExit, match="multiple of --turns"):
         conversations(argparse.Namespace(**{**vars(args), "requests": 31}), _WordTokenizer())
+
+
+def test_a_multi_turn_runs_percentile_lists_are_medians_per_position_over_rounds() -> None:
+    rounds = [
+        {**run(0, 100.0), "ttft_openings_p50_p90_p99_ms": [1.0, 5.0, 9.0]},
+        {**run(1, 110.0), "ttft_openings_p50_p90_p99_ms": [3.0, 4.0, 20.0]},
+        {**run(2, 120.0), "ttft_openings_p50_p90_p99_ms": [2.0, 6.0, 10.0]},
+    ]
+    assert aggregate(rounds)["ttft_openings_p50_p90_p99_ms"] == [2.0, 5.0, 10.0]
+    assert "conversation_p50_p90_p99_ms" not in aggregate(rounds)  # single-turn runs: absent
