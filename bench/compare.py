@@ -388,7 +388,7 @@ def conversations(args: argparse.Namespace, tok: Any) -> Workload:
 
     def conversation(turns: int) -> list[Item]:
         """One chat of `turns` turns, drawn again until its last turn fits the context."""
-        while True:
+        for _ in range(1000):
             opening = f"{pick.choice(_ASKS)} the text below.\n\n" + words(
                 args.paste_words, 20, 4 * args.paste_words
             )
@@ -409,6 +409,10 @@ def conversations(args: argparse.Namespace, tok: Any) -> Workload:
                 out.append(Item(text, ids, 64, True, continues=t > 0))
             if len(out) == turns:
                 return out
+        raise SystemExit(
+            f"no {turns}-turn chat of --paste-words {args.paste_words} / --reply-words "
+            f"{args.reply_words} fits --max-model-len {args.max_model_len}: use fewer or shorter"
+        )
 
     items = [turn for _ in range(args.warmup) for turn in conversation(1)]
     for _ in range(args.requests // args.turns):

@@ -225,7 +225,7 @@ async def closed_loop(
                 if not report.first_done_s:  # the first wave is what was sent before this
                     report.first_done_s = time.perf_counter()
                 bar.update()
-            if continues is not None:
+            if len(chain) > 1:  # a conversation: single calls have their e2e already
                 report.conversations_s.append(time.perf_counter() - began)
 
     start, cpu = time.perf_counter(), time.process_time()
