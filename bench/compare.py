@@ -45,6 +45,10 @@ per level, fresh prompts so no level hits another's cache; every round unless --
 says fewer). Reported for every level: the median over rounds with min-max, and the median of
 the per-round streambatch/target ratios with their min-max.
 
+Prefix-cache hit % per level (`prefix_hit_pct`): of the prompt tokens the level sent, warm-up
+included, the share the server's prefix cache served, from its own Prometheus counters read
+before and after (streambatch's and the OpenAI server's; the gRPC launcher has no endpoint).
+
 Token accounting is bench/load.py's TokenClock for every client (tokens per message from the
 message's own token ids; one gap per token after the first). The OpenAI client asks for
 `return_token_ids` so each SSE chunk says how many tokens it carries.
@@ -314,8 +318,7 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
         sentences: list[str] = []
         text = ""
         while len(tok(text)["input_ids"]) < tokens:
-            a, b, c = (rng.choice(_TOPICS) for _ in range(3))
-            sentences.append(f"Section {len(sentences) + 1}: the {a} near the {b} holds the {c}.")
+            sentences.append(f"Section {len(sentences) + 1}: {fact(rng)}.")
             text = f"Answer questions about {title}.\n\n" + " ".join(sentences)
         return text
 
@@ -359,6 +362,13 @@ def build_workloads(args: argparse.Namespace, tok: Any) -> dict[str, Workload]:
     return out
 
 
+def fact(rng: random.Random) -> str:
+    """One sentence of filler text (three topic words drawn in turn), as documents and
+    scripted replies are made of."""
+    a, b, c = (rng.choice(_TOPICS) for _ in range(3))
+    return f"the {a} near the {b} holds the {c}"
+
+
 def conversations(args: argparse.Namespace, tok: Any) -> Workload:
     """--requests ÷ --turns multi-turn chats (headline level only): an opening message with
     pasted text (log-normal, median --paste-words words), then short follow-ups; each turn's
@@ -380,11 +390,7 @@ def conversations(args: argparse.Namespace, tok: Any) -> Workload:
 
     def reply() -> str:
         n = int(np.clip(rng.lognormal(np.log(args.reply_words / 8), 0.5), 2, 60))
-        return " ".join(
-            f"The {pick.choice(_TOPICS)} near the {pick.choice(_TOPICS)} holds the "
-            f"{pick.choice(_TOPICS)}."
-            for _ in range(n)
-        )
+        return " ".join(f"{fact(pick).capitalize()}." for _ in range(n))
 
     def conversation(turns: int) -> list[Item]:
         """One chat of `turns` turns, drawn again until its last turn fits the context."""
@@ -498,16 +504,20 @@ def target_specs(args: argparse.Namespace) -> list[TargetSpec]:
     return out
 
 
-def launch(spec: TargetSpec, args: argparse.Namespace) -> tuple[Server, str]:
-    """Start one target and wait until it serves; returns it and its address."""
+def launch(spec: TargetSpec, args: argparse.Namespace) -> tuple[Server, str, str | None]:
+    """Start one target and wait until it serves; returns it, its address and its Prometheus
+    endpoint (None where it has none: the gRPC launcher, the seed peer)."""
     port = free_port()
     py = [sys.executable, "-m"]
     common = ["--model", args.model, "--port", str(port), *engine_flags(args)]
     log = RESULTS / f"{spec.name.replace('+', '_')}.log"
+    metrics: str | None = None
     if spec.kind == "streambatch":
+        metrics_port = free_port()
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         cmd = [
             *py, "pyserver.cli", "serve", *common, "--enable-prefix-caching", "true",
-            "--kv-cache-gib", str(args.kv_cache_gib), "--metrics-port", "-1",
+            "--kv-cache-gib", str(args.kv_cache_gib), "--metrics-port", str(metrics_port),
             "--queue-capacity", "4096", "--log-level", "WARNING", *spec.extra,
         ]  # fmt: skip
     elif spec.kind in ("vllm_openai", "vllm_grpc"):
@@ -534,11 +544,46 @@ def launch(spec: TargetSpec, args: argparse.Namespace) -> tuple[Server, str]:
         else:
             addr = f"http://127.0.0.1:{port}"
             wait_until(lambda: http_ok(f"{addr}/health"), server.proc, spec.name)
+            if spec.kind == "vllm_openai":
+                metrics = f"{addr}/metrics"
         server.note_children()
     except BaseException:
         server.stop()
         raise
-    return server, addr
+    return server, addr, metrics
+
+
+# Prompt tokens admitted, and those the prefix cache served: the same two counters under each
+# server's name (streambatch counts vLLM's num_cached_tokens per request, as vLLM's own do).
+_PROMPT_COUNTERS = {
+    "streambatch_prompt_tokens_total": "prompt",
+    "streambatch_prompt_tokens_cached_total": "cached",
+    "vllm:prompt_tokens_total": "prompt",
+    "vllm:prompt_tokens_cached_total": "cached",
+}
+
+
+def prompt_counters(url: str | None) -> dict[str, float] | None:
+    """A target's prompt-token counters now (None: no endpoint, or not both counters)."""
+    if url is None:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for s in family.samples:
+            if key := _PROMPT_COUNTERS.get(s.name):
+                counts[key] = counts.get(key, 0.0) + s.value
+    return counts if len(counts) == 2 else None
+
+
+def prefix_hit_pct(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Of the prompt tokens a level sent (its warm-up calls included), the share the server's
+    prefix cache served, from its own counters: a measured figure, not a log line."""
+    if before is None or after is None or after["prompt"] <= before["prompt"]:
+        return None
+    cached = after["cached"] - before["cached"]
+    return round(100.0 * cached / (after["prompt"] - before["prompt"]), 1)
 
 
 class Client:
@@ -654,8 +699,16 @@ def run_target(
     `sweep`). Returns {workload: {level: summary}} and the target's setup."""
     if spec.kind == "offline":
         return run_offline(spec, args, loads["fixed64"])
-    server, addr = launch(spec, args)
+    server, addr, metrics = launch(spec, args)
     try:
+
+        async def level(
+            client: Client, items: list[Item], c: int, warmup: int, label: str
+        ) -> dict[str, Any]:
+            before = prompt_counters(metrics)
+            summary = (await run_level(client, items, c, warmup, label)).summary()
+            summary["prefix_hit_pct"] = prefix_hit_pct(before, prompt_counters(metrics))
+            return summary
 
         async def go() -> dict[str, dict[str, Any]]:
             out: dict[str, dict[str, Any]] = {}
@@ -666,7 +719,7 @@ def run_target(
                     if spec.kind == "seed_fastapi":  # one request at a time: a few suffice
                         head = head[: args.warmup + args.seed_requests]
                     levels = {
-                        args.concurrency: await run_level(
+                        args.concurrency: await level(
                             client, head, args.concurrency, args.warmup,
                             f"{spec.name} {name} c={args.concurrency}",
                         )
@@ -678,8 +731,8 @@ def run_target(
                             # The headline just warmed this server (and cached the shared
                             # prefix): the sweep items' warm-up slots are not sent.
                             label = f"{spec.name} {name} c={c}"
-                            levels[c] = await run_level(client, items[args.warmup :], c, 0, label)
-                    out[name] = {str(c): r.summary() for c, r in sorted(levels.items())}
+                            levels[c] = await level(client, items[args.warmup :], c, 0, label)
+                    out[name] = {str(c): summary for c, summary in sorted(levels.items())}
             return out
 
         result = asyncio.run(go())
@@ -720,7 +773,7 @@ def run_offline(
 _MEDIAN_KEYS = (
     "output_tok_s", "requests_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
     "ttft_p99_after_first_wave_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
-    "client_cpu_pct", "output_tokens",
+    "client_cpu_pct", "output_tokens", "prefix_hit_pct",
 )  # fmt: skip
 # Multi-turn runs only (bench/load.py's Report): [p50, p90, p99] lists, medians per position.
 _MEDIAN_LISTS = (
@@ -818,12 +871,12 @@ def tables(result: dict[str, Any]) -> str:
             "| target | rounds | output tok/s median (min-max) "
             "| streambatch ÷ target (rounds' min-max) "
             "| TTFT p50 / p99 ms (p99 after the first wave) | ITL p50 / p99 ms "
-            "| e2e p50 / p99 ms | client CPU % | errors |"
+            "| e2e p50 / p99 ms | prefix hit % | client CPU % | errors |"
         )
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for t, r in w["targets"].items():
             if "output_tok_s" not in r or r["output_tok_s"] is None:
-                out.append(f"| {t} | 0 | failed: {r.get('errors')} | | | | | | |")
+                out.append(f"| {t} | 0 | failed: {r.get('errors')} | | | | | | | |")
                 continue
             spread = (
                 f"{fmt(r['output_tok_s'])} ({fmt(r.get('output_tok_s_min'))}-"
@@ -841,6 +894,7 @@ def tables(result: dict[str, Any]) -> str:
                 f"({fmt(r.get('ttft_p99_after_first_wave_ms'))}) "
                 f"| {fmt(r.get('itl_p50_ms'))} / {fmt(r.get('itl_p99_ms'))} "
                 f"| {fmt(r.get('e2e_p50_ms'))} / {fmt(r.get('e2e_p99_ms'))} "
+                f"| {fmt(r.get('prefix_hit_pct'))} "
                 f"| {fmt(r.get('client_cpu_pct'))} | {r.get('errors') or ''} |"
             )
         if w.get("sweep"):

@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from compare import aggregate, conversations, summarize, sweep_tables
+import compare
+from compare import (
+    aggregate,
+    conversations,
+    prefix_hit_pct,
+    prompt_counters,
+    summarize,
+    sweep_tables,
+)
 from load import Report, Sample, TokenClock, closed_loop
 
 
@@ -239,3 +247,54 @@ def test_a_multi_turn_runs_percentile_lists_are_medians_per_position_over_rounds
     ]
     assert aggregate(rounds)["ttft_openings_p50_p90_p99_ms"] == [2.0, 5.0, 10.0]
     assert "conversation_p50_p90_p99_ms" not in aggregate(rounds)  # single-turn runs: absent
+
+
+_EXPOSITION = {
+    "streambatch": (
+        "# TYPE streambatch_prompt_tokens counter\n"
+        "streambatch_prompt_tokens_total 4000.0\n"
+        "# TYPE streambatch_prompt_tokens_cached counter\n"
+        "streambatch_prompt_tokens_cached_total 1000.0\n"
+        "# TYPE streambatch_generated_tokens counter\n"
+        "streambatch_generated_tokens_total 640.0\n"
+    ),
+    # vLLM labels each counter per engine: the engines' samples are summed.
+    "vllm": (
+        "# TYPE vllm:prompt_tokens counter\n"
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 3000.0\n'
+        'vllm:prompt_tokens_total{engine="1",model_name="m"} 1000.0\n'
+        "# TYPE vllm:prompt_tokens_cached counter\n"
+        'vllm:prompt_tokens_cached_total{engine="0",model_name="m"} 500.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 9999.0\n'
+    ),
+    "neither": "# TYPE other counter\nother_total 1.0\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("server", "expected"),
+    [
+        ("streambatch", {"prompt": 4000.0, "cached": 1000.0}),
+        ("vllm", {"prompt": 4000.0, "cached": 500.0}),
+        ("neither", None),
+    ],
+)
+def test_the_prompt_counters_read_both_servers_names_for_the_same_two_counts(
+    monkeypatch: pytest.MonkeyPatch, server: str, expected: dict[str, float] | None
+) -> None:
+    class Response:
+        text = _EXPOSITION[server]
+
+    monkeypatch.setattr(compare.httpx, "get", lambda url, timeout: Response())
+    assert prompt_counters("http://127.0.0.1:1/metrics") == expected
+    assert prompt_counters(None) is None
+
+
+def test_the_hit_rate_is_the_levels_share_of_cached_prompt_tokens() -> None:
+    before = {"prompt": 1000.0, "cached": 100.0}
+    assert prefix_hit_pct(before, {"prompt": 5000.0, "cached": 1100.0}) == 25.0
+    # Nothing sent, or a counter missing on either side: no figure rather than a made-up one.
+    assert prefix_hit_pct(before, before) is None
+    assert prefix_hit_pct(None, before) is None
+    assert prefix_hit_pct(before, None) is None
