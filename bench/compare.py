@@ -45,9 +45,11 @@ per level, fresh prompts so no level hits another's cache; every round unless --
 says fewer). Reported for every level: the median over rounds with min-max, and the median of
 the per-round streambatch/target ratios with their min-max.
 
-Prefix-cache hit % per level (`prefix_hit_pct`): of the prompt tokens the level sent, warm-up
-included, the share the server's prefix cache served, from its own Prometheus counters read
-before and after (streambatch's and the OpenAI server's; the gRPC launcher has no endpoint).
+Prefix-cache hit % per level (`prefix_hit_pct`): of the prompt tokens the server admitted
+during the level, warm-up included, the share its prefix cache served, from its own
+Prometheus counters read before and after (streambatch's and the OpenAI server's; the gRPC
+launcher has no endpoint). streambatch counts a prompt again when a preempted request is
+re-admitted, vLLM once: alike here, where one priority class runs and nothing is cancelled.
 
 Token accounting is bench/load.py's TokenClock for every client (tokens per message from the
 message's own token ids; one gap per token after the first). The OpenAI client asks for
@@ -583,6 +585,8 @@ def prefix_hit_pct(before: dict[str, float] | None, after: dict[str, float] | No
     if before is None or after is None or after["prompt"] <= before["prompt"]:
         return None
     cached = after["cached"] - before["cached"]
+    if cached < 0:  # a counter went back: the server restarted in between
+        return None
     return round(100.0 * cached / (after["prompt"] - before["prompt"]), 1)
 
 

@@ -793,6 +793,7 @@ def plot(runs: list[dict[str, Any]], targets: list[str], path: Path) -> None:
         ax.set_title(f"seed {seed}")
         ax.set_xlabel("offered load (x streambatch capacity)")
         ax.set_ylabel("goodput (calls in deadline and TTFT SLO / s)")
+        ax.set_ylim(bottom=0)  # gaps read at their true size
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

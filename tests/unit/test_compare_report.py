@@ -298,3 +298,4 @@ def test_the_hit_rate_is_the_levels_share_of_cached_prompt_tokens() -> None:
     assert prefix_hit_pct(before, before) is None
     assert prefix_hit_pct(None, before) is None
     assert prefix_hit_pct(before, None) is None
+    assert prefix_hit_pct(before, {"prompt": 5000.0, "cached": 50.0}) is None  # a restart
