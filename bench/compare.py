@@ -92,6 +92,7 @@ from harness import (  # noqa: E402
     Group,
     SurvivorError,
     cpu_list,
+    metric_families,
     peer_preload,
 )
 from load import (  # noqa: E402
@@ -569,10 +570,8 @@ def prompt_counters(url: str | None) -> dict[str, float] | None:
     """A target's prompt-token counters now (None: no endpoint, or not both counters)."""
     if url is None:
         return None
-    from prometheus_client.parser import text_string_to_metric_families
-
     counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+    for family in metric_families(url):
         for s in family.samples:
             if key := _PROMPT_COUNTERS.get(s.name):
                 counts[key] = counts.get(key, 0.0) + s.value
@@ -580,8 +579,9 @@ def prompt_counters(url: str | None) -> dict[str, float] | None:
 
 
 def prefix_hit_pct(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
-    """Of the prompt tokens a level sent (its warm-up calls included), the share the server's
-    prefix cache served, from its own counters: a measured figure, not a log line."""
+    """Of the prompt tokens the server admitted during a level (its warm-up calls included),
+    the share its prefix cache served, from its own counters: a measured figure, not a log
+    line."""
     if before is None or after is None or after["prompt"] <= before["prompt"]:
         return None
     cached = after["cached"] - before["cached"]

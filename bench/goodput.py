@@ -71,7 +71,14 @@ from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from harness import PEER_PRELOAD_HELP, PRELOAD_ENV, Group, cpu_list, peer_preload  # noqa: E402
+from harness import (  # noqa: E402
+    PEER_PRELOAD_HELP,
+    PRELOAD_ENV,
+    Group,
+    cpu_list,
+    metric_families,
+    peer_preload,
+)
 
 RESULTS = HERE / "results"
 _WORDS = [
@@ -417,11 +424,8 @@ class Target:
         return counts
 
     def _metrics(self) -> Any:
-        from prometheus_client.parser import text_string_to_metric_families
-
         port = self.metrics_port if self.ours else self.port
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        return text_string_to_metric_families(text)
+        return metric_families(f"http://127.0.0.1:{port}/metrics")
 
     def check_metrics(self) -> None:
         kind = "streambatch" if self.ours else "vllm"

@@ -18,8 +18,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+if TYPE_CHECKING:
+    from prometheus_client import Metric
 
 
 @dataclass(frozen=True)
@@ -237,3 +244,10 @@ PEER_PRELOAD_HELP = (
     "LD_PRELOAD for vLLM's peers: auto (TCMalloc and Intel OpenMP where found, as vLLM's CPU "
     "guide has it), none, or a value to use as given"
 )
+
+
+def metric_families(url: str) -> Iterable[Metric]:
+    """A target's Prometheus exposition at `url` (its /metrics), parsed into families."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return text_string_to_metric_families(httpx.get(url, timeout=10).text)

@@ -31,15 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 from streambatch.v1 import generation_pb2_grpc as pb_grpc
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from compare import Server, free_port, grpc_serving, wait_until  # noqa: E402
+from harness import metric_families  # noqa: E402
 from load import generate_request, prompts  # noqa: E402
 from soak import capacity  # noqa: E402
 
@@ -176,9 +175,8 @@ def summarize(calls: list[Call], wall_s: float, max_tokens: int) -> dict[str, ob
 
 def server_counters(metrics_port: int) -> dict[str, float]:
     """The server's own preemption, deadline-refusal and decode-skip counters, by label."""
-    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in metric_families(f"http://127.0.0.1:{metrics_port}/metrics"):
         if family.name in (
             "streambatch_preemptions",
             "streambatch_deadline_refusals",
