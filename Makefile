@@ -9,7 +9,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_HOST_IP ?= 127.0.0.1
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model serve test test-cpp test-py test-vllm-previous proto-check lint bench bench-queue bench-tracing bench-features bench-priority bench-goodput bench-goodput-sustained bench-batching bench-step profile soak clean
+.PHONY: install model serve test test-cpp test-py test-vllm-previous proto-check lint bench bench-queue bench-tracing bench-features bench-priority bench-goodput bench-goodput-burst bench-batching bench-step profile soak clean
 
 # Third-party dependencies: reinstalled only when pyproject.toml changes.
 $(VENV)/.deps-stamp: pyproject.toml
@@ -95,16 +95,17 @@ bench: model
 bench-priority: model
 	$(PY) bench/priority.py
 
-# Goodput against offered load (0.5x-3x capacity), streambatch vs vLLM's priority scheduler,
-# seeded open-loop traces; last line JSON, bench/results/goodput.{json,md,png}.
+# Goodput against offered load (0.5x-3x capacity, 120 s of arrivals per point), streambatch vs
+# vLLM's priority scheduler, seeded open-loop traces; last line JSON,
+# bench/results/goodput.{json,md,png}.
 bench-goodput: model
 	$(PY) bench/goodput.py
 
-# Sustained overload: 120 s of arrivals per point at 1.5-3x, long enough for arrival order's
-# queue to outgrow the deadlines (30 s is a burst that it absorbs); last line JSON.
-bench-goodput-sustained: model
-	$(PY) bench/goodput.py --seeds 4,5 --duration 120 --loads 1.5,2,3 --targets streambatch,vllm \
-		--alone-max-load 0 --out bench/results/goodput-sustained.json
+# The same traces as a 30 s burst per point (first-come order absorbs it: a control), with the
+# refusing variant; last line JSON.
+bench-goodput-burst: model
+	$(PY) bench/goodput.py --duration 30 --alone-max-load 2 \
+		--targets streambatch,vllm,streambatch_refusing --out bench/results/goodput-burst.json
 
 # Batch window, max wait and length buckets against release-on-arrival, open loop; last line JSON.
 bench-batching: model
