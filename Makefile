@@ -101,7 +101,7 @@ bench-priority: model
 bench-goodput: model
 	$(PY) bench/goodput.py
 
-# The same traces as a 30 s burst per point (first-come order absorbs it: a control), with the
+# The same seeds as 30 s bursts (first-come order absorbs one: a control), with the
 # refusing variant; last line JSON.
 bench-goodput-burst: model
 	$(PY) bench/goodput.py --duration 30 --alone-max-load 2 \
