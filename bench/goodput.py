@@ -1086,11 +1086,9 @@ def markdown(report: dict[str, Any]) -> str:
         "| high in deadline % | of the servable (left out: missed alone) | high TTFT p99 ms "
         "| output tok/s | tok/s ÷ own capacity |"
     )
-    columns = 10
     if acting_ran:
         head += " refused with --deadline-admission on (would have finished) |"
-        columns += 1
-    lines = [head, "|" + "---|" * columns]
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in report["runs"]:
         own = r.get("output_tok_s_vs_own_capacity", {})
         alone = r.get("high_missed_alone")
