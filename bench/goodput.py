@@ -19,6 +19,12 @@ others idle:
                       default run finished in time
   streambatch+--flag=value
                       a streambatch variant with extra flags (a tuned profile; A/B runs)
+  vllm_newest_first   (a control, not a default) the vllm target with the client setting
+                      each call's priority so that within its class the newest call runs
+                      first: whether a vLLM user gets streambatch's overload order (newest
+                      first) from the client alone. Pure newest first, not adaptive, and no
+                      preemption of running calls for waiting urgent ones (vLLM preempts only
+                      when its KV cache runs out)
 
 Capacity first, per target in turn (closed loop at max-num-seqs streams over the trace's call
 mix, its own requests/s and output tok/s while every stream is busy); then for each seed and load
@@ -243,9 +249,25 @@ async def _streambatch_call(stub: Any, call: Call, cap_s: float) -> Outcome:
     return out
 
 
-async def _vllm_call(client: httpx.AsyncClient, call: Call, cap_s: float) -> Outcome:
-    """vLLM's OpenAI completions, streamed, with its `priority` (lower runs first). The client
-    gives up at the deadline like a gRPC caller (the server aborts a disconnected request)."""
+# Wider than any trace's call count: a class's rank times this plus a per-call offset keeps the
+# classes apart (vllm_newest_first).
+_INDEX_SPAN = 10_000_000
+
+
+def vllm_priority(call: Call, *, newest_first: bool) -> int:
+    """vLLM's `priority` for a call: lower runs first, ties in arrival order; the high class
+    first, and with newest_first a later call of a class before every earlier one."""
+    rank = 1 - call.priority
+    return rank * _INDEX_SPAN + _INDEX_SPAN - 1 - call.index if newest_first else rank
+
+
+async def _vllm_call(
+    client: httpx.AsyncClient, call: Call, cap_s: float, *, newest_first: bool = False
+) -> Outcome:
+    """vLLM's OpenAI completions, streamed, with its `priority` (lower runs first, ties in
+    arrival order; newest_first: a later call of the class before every earlier one). The
+    client gives up at the deadline like a gRPC caller (the server aborts a disconnected
+    request)."""
     out = Outcome(call.index, call.priority, call.deadline_s, max_tokens=call.max_tokens)
     body = {
         "model": "m",
@@ -253,7 +275,7 @@ async def _vllm_call(client: httpx.AsyncClient, call: Call, cap_s: float) -> Out
         "max_tokens": call.max_tokens,
         "temperature": 0.0,
         "stream": True,
-        "priority": 1 - call.priority,
+        "priority": vllm_priority(call, newest_first=newest_first),
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     start = out.sent_at = time.perf_counter()
@@ -478,8 +500,10 @@ class Target:
                     )
                 )
 
+                newest_first = self.name == "vllm_newest_first"
+
                 def send(c: Call) -> Any:
-                    return _vllm_call(client, c, cap)
+                    return _vllm_call(client, c, cap, newest_first=newest_first)
 
             async def tracked(c: Call) -> Outcome:
                 o: Outcome = await send(c)

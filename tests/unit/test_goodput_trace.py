@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from goodput import build_trace
+from goodput import build_trace, vllm_priority
 
 
 class WordTokenizer:
@@ -66,3 +66,18 @@ def test_the_trace_still_varies_with_the_seed_and_keeps_its_mix() -> None:
     assert [c.at_s for c in calls] == sorted(c.at_s for c in calls)
     # A burst that starts just before the end runs past it by its 10 ms spacing at most.
     assert calls[-1].at_s < 30.0 + 0.01 * (args.burst_size - 1) + 1e-9
+
+
+def test_the_newest_first_control_orders_vllm_by_class_then_newest() -> None:
+    calls = build_trace(4, 3.0, 60.0, trace_args())
+    assert {c.priority for c in calls} == {0, 1}
+    # vLLM runs the lowest value first (ties in arrival order).
+    plain = sorted(calls, key=lambda c: (vllm_priority(c, newest_first=False), c.index))
+    assert [c.index for c in plain] == [c.index for c in calls if c.priority] + [
+        c.index for c in calls if not c.priority
+    ]
+    newest = sorted(calls, key=lambda c: vllm_priority(c, newest_first=True))
+    assert [c.index for c in newest] == [c.index for c in reversed(calls) if c.priority] + [
+        c.index for c in reversed(calls) if not c.priority
+    ]
+    assert min(vllm_priority(c, newest_first=True) for c in calls) >= 0
