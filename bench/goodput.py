@@ -903,6 +903,17 @@ def main() -> None:
 
     args.tokenizer = AutoTokenizer.from_pretrained(args.model)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [
+        t
+        for t in targets
+        if t not in ("streambatch", "streambatch_refusing", "vllm", "vllm_newest_first")
+        and not t.startswith("streambatch+")
+    ]
+    if unknown:
+        p.error(
+            f"unknown target(s) {', '.join(unknown)}: streambatch, streambatch_refusing, "
+            "streambatch+--flag=value, vllm or vllm_newest_first"
+        )
     if "streambatch" not in targets:
         p.error("the targets must include streambatch (the report is built around it)")
     if targets[0] != "streambatch" and not args.capacity_req_s:
