@@ -353,6 +353,10 @@ _BUSY = {
 }
 
 
+# The targets by name; besides these, streambatch+--flag=value+... (a streambatch variant).
+NAMED_TARGETS = ("streambatch", "streambatch_refusing", "vllm", "vllm_newest_first")
+
+
 class Target:
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         self.name = name
@@ -903,16 +907,11 @@ def main() -> None:
 
     args.tokenizer = AutoTokenizer.from_pretrained(args.model)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = [
-        t
-        for t in targets
-        if t not in ("streambatch", "streambatch_refusing", "vllm", "vllm_newest_first")
-        and not t.startswith("streambatch+")
-    ]
+    unknown = [t for t in targets if t not in NAMED_TARGETS and not t.startswith("streambatch+")]
     if unknown:
         p.error(
-            f"unknown target(s) {', '.join(unknown)}: streambatch, streambatch_refusing, "
-            "streambatch+--flag=value, vllm or vllm_newest_first"
+            f"unknown target(s) {', '.join(unknown)}: one of {', '.join(NAMED_TARGETS)}, "
+            "or streambatch+--flag=value"
         )
     if "streambatch" not in targets:
         p.error("the targets must include streambatch (the report is built around it)")
@@ -1025,6 +1024,13 @@ def report(
                     )
                     for t in ("streambatch", "vllm")
                 }
+            if "vllm_newest_first" in results:
+                c, s = row["vllm_newest_first"], row["streambatch"]
+                row["goodput_ratio_vs_vllm_newest_first"] = (
+                    round(s["goodput_req_s"] / c["goodput_req_s"], 2)
+                    if c["goodput_req_s"]
+                    else None
+                )
             runs.append(row)
 
     ratios = [
@@ -1114,8 +1120,9 @@ def markdown(report: dict[str, Any]) -> str:
     def pair(row: dict[str, Any], key: str) -> str:
         return f"{fmt(row['streambatch'].get(key))} / {fmt(row.get('vllm', {}).get(key))}"
 
-    # The refusals column only where the acting variant ran (not a default target).
+    # The refusals and control columns only where those targets ran (neither is a default).
     acting_ran = any("streambatch_refusing" in r for r in report["runs"])
+    control_ran = any("vllm_newest_first" in r for r in report["runs"])
     head = (
         "| seed | load | calls/s offered | goodput calls/s (sb / vllm) | ratio "
         "| high in deadline % | of the servable (left out: missed alone) | high TTFT p99 ms "
@@ -1123,6 +1130,8 @@ def markdown(report: dict[str, Any]) -> str:
     )
     if acting_ran:
         head += " refused with --deadline-admission on (would have finished) |"
+    if control_ran:
+        head += " goodput vllm_newest_first (sb ÷ it) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in report["runs"]:
         own = r.get("output_tok_s_vs_own_capacity", {})
@@ -1133,13 +1142,16 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {fmt(r.get('goodput_ratio_vs_vllm'))} | {pair(r, 'high_served_pct')} "
             f"| {pair(r, 'high_served_of_servable_pct')}{excluded} | {pair(r, 'high_ttft_p99_ms')} "
             f"| {pair(r, 'output_tok_s')} "
-            f"| {own.get('streambatch')} / {own.get('vllm')} |"
+            f"| {fmt(own.get('streambatch'))} / {fmt(own.get('vllm'))} |"
         )
         if acting_ran:
             acting = r.get("streambatch_refusing", {})
             refused = sum(acting["refused"].values()) if acting else None
             would = acting.get("refused_would_have_finished", {}).get("would_have_finished")
             row += f" {fmt(refused)}{'' if would is None else f' ({would})'} |"
+        if control_ran:
+            control = r.get("vllm_newest_first", {}).get("goodput_req_s")
+            row += f" {fmt(control)} ({fmt(r.get('goodput_ratio_vs_vllm_newest_first'))}) |"
         lines.append(row)
     return "\n".join(lines) + "\n"
 
