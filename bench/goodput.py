@@ -66,6 +66,7 @@ import pickle
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -345,6 +346,7 @@ _EXPECTED = {
         "vllm:iteration_tokens_total",
     },
 }  # fmt: skip
+_RUNNING = {"streambatch_running_requests", "vllm:num_requests_running"}
 _BUSY = {
     "streambatch_running_requests",
     "streambatch_waiting_requests",
@@ -469,6 +471,17 @@ class Target:
         for family in self._metrics():
             total += sum(float(s.value) for s in family.samples if s.name in _BUSY)
         return total
+
+    def occupancy(self) -> tuple[float, float]:
+        """Requests in the engine and waiting for it now (the server's own gauges)."""
+        running = waiting = 0.0
+        for family in self._metrics():
+            for s in family.samples:
+                if s.name in _RUNNING:
+                    running += float(s.value)
+                elif s.name in _BUSY:
+                    waiting += float(s.value)
+        return running, waiting
 
     def wait_idle(self, limit_s: float = 60.0) -> float:
         """Wait until the server has no request left (a client that gave up is aborted at the
@@ -687,14 +700,50 @@ async def capacity(target: Target, args: argparse.Namespace) -> dict[str, float]
     }
 
 
+class OccupancySampler(threading.Thread):
+    """Samples a target's running and waiting requests once a second while the arrivals last:
+    how full the engine was kept under the load (a server that leaves slots idle while calls
+    wait streams less than its capacity), read from each server's own gauges."""
+
+    def __init__(self, target: Target, window_s: float, interval_s: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.target, self.window_s, self.interval_s = target, window_s, interval_s
+        self.samples: list[tuple[float, float]] = []
+
+    def run(self) -> None:
+        end = time.monotonic() + self.window_s
+        while time.monotonic() < end:
+            self.samples.append(self.target.occupancy())
+            time.sleep(self.interval_s)
+
+    def result(self) -> dict[str, float | None]:
+        self.join()
+        running = [r for r, _ in self.samples]
+        waiting = [w for _, w in self.samples]
+        busy = [r for r, w in self.samples if w > 0]  # calls waited: every slot could be used
+        return {
+            "running_mean": _mean_or_none(running),
+            "waiting_mean": _mean_or_none(waiting),
+            "running_mean_while_waiting": _mean_or_none(busy),
+            "samples": len(self.samples),
+        }
+
+
+def _mean_or_none(values: list[float]) -> float | None:
+    return round(float(np.mean(values)), 2) if values else None
+
+
 def run_point(target: Target, calls: list[Call], label: str, args: argparse.Namespace) -> Any:
     """One target through one trace: the summary and every call."""
     shadow = target.name == "streambatch"  # deadline admission in shadow mode by default
     before = target.counters()
+    sampler = OccupancySampler(target, args.duration)
     start = time.monotonic()
+    sampler.start()
     out = asyncio.run(target.run(calls, label))
     wall = time.monotonic() - start
     summary = summarize(out, args.duration, args, wall)
+    summary["occupancy"] = sampler.result()
     summary["settle_s"] = target.wait_idle()
     after = target.counters()
     summary["server"] = {

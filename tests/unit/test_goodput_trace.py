@@ -1,5 +1,6 @@
 """bench/goodput.py's trace: the same calls at every rate, so loads and runs whose measured
-capacity differs send the same prompts, deadlines, lengths and priorities."""
+capacity differs send the same prompts, deadlines, lengths and priorities; and the helpers
+around it (the control's priorities, the occupancy sampler)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from goodput import build_trace, vllm_priority
+from goodput import OccupancySampler, build_trace, vllm_priority
 
 
 class WordTokenizer:
@@ -81,3 +82,26 @@ def test_the_newest_first_control_orders_vllm_by_class_then_newest() -> None:
         c.index for c in reversed(calls) if not c.priority
     ]
     assert min(vllm_priority(c, newest_first=True) for c in calls) >= 0
+
+
+class AlternatingTarget:
+    """Full with calls waiting, then a third full with none, in turn."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def occupancy(self) -> tuple[float, float]:
+        self.reads += 1
+        return (32.0, 7.0) if self.reads % 2 else (10.0, 0.0)
+
+
+def test_the_occupancy_sampler_reports_fullness_while_calls_wait() -> None:
+    target = AlternatingTarget()
+    sampler = OccupancySampler(target, window_s=0.2, interval_s=0.01)  # type: ignore[arg-type]
+    sampler.start()
+    got = sampler.result()
+    assert got["samples"] == target.reads >= 4
+    # Only the samples with calls waiting count for the engine's fullness under the load.
+    assert got["running_mean_while_waiting"] == 32.0
+    assert got["running_mean"] is not None and 10.0 < got["running_mean"] < 32.0
+    assert got["waiting_mean"] is not None and 0.0 < got["waiting_mean"] < 7.0
