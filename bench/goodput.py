@@ -703,29 +703,42 @@ async def capacity(target: Target, args: argparse.Namespace) -> dict[str, float]
 class OccupancySampler(threading.Thread):
     """Samples a target's running and waiting requests once a second while the arrivals last:
     how full the engine was kept under the load (a server that leaves slots idle while calls
-    wait streams less than its capacity), read from each server's own gauges."""
+    wait streams less than its capacity), read from each server's own gauges. They are not
+    alike for short waits: streambatch's waiting gauge is its queue's depth at the moment
+    read, vLLM's the scheduler's waiting list as of its last step. Each read costs the
+    server a /metrics render (tens of ms of its CPU a second); `read_s` says how long."""
 
     def __init__(self, target: Target, window_s: float, interval_s: float = 1.0) -> None:
         super().__init__(daemon=True)
         self.target, self.window_s, self.interval_s = target, window_s, interval_s
         self.samples: list[tuple[float, float]] = []
+        self.errors = 0
+        self.read_s = 0.0
 
     def run(self) -> None:
         end = time.monotonic() + self.window_s
         while time.monotonic() < end:
-            self.samples.append(self.target.occupancy())
+            start = time.monotonic()
+            try:
+                self.samples.append(self.target.occupancy())
+            except Exception:  # a slow or refused /metrics read: counted, not fatal
+                self.errors += 1
+            self.read_s += time.monotonic() - start
             time.sleep(self.interval_s)
 
-    def result(self) -> dict[str, float | None]:
+    def result(self) -> dict[str, Any]:
         self.join()
         running = [r for r, _ in self.samples]
         waiting = [w for _, w in self.samples]
-        busy = [r for r, w in self.samples if w > 0]  # calls waited: every slot could be used
+        queued = [r for r, w in self.samples if w > 0]  # the reads that found calls waiting
         return {
             "running_mean": _mean_or_none(running),
             "waiting_mean": _mean_or_none(waiting),
-            "running_mean_while_waiting": _mean_or_none(busy),
+            "running_mean_while_waiting": _mean_or_none(queued),
             "samples": len(self.samples),
+            "errors": self.errors,
+            "read_s": round(self.read_s, 2),
+            "series": [[round(r), round(w)] for r, w in self.samples],  # (running, waiting)
         }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from goodput import OccupancySampler, build_trace, vllm_priority
+from goodput import OccupancySampler, Target, build_trace, vllm_priority
 
 
 class WordTokenizer:
@@ -100,8 +100,40 @@ def test_the_occupancy_sampler_reports_fullness_while_calls_wait() -> None:
     sampler = OccupancySampler(target, window_s=0.2, interval_s=0.01)  # type: ignore[arg-type]
     sampler.start()
     got = sampler.result()
-    assert got["samples"] == target.reads >= 4
+    assert got["samples"] == target.reads >= 4 and got["errors"] == 0
+    assert got["series"][:2] == [[32, 7], [10, 0]]
     # Only the samples with calls waiting count for the engine's fullness under the load.
     assert got["running_mean_while_waiting"] == 32.0
     assert got["running_mean"] is not None and 10.0 < got["running_mean"] < 32.0
     assert got["waiting_mean"] is not None and 0.0 < got["waiting_mean"] < 7.0
+
+
+_STREAMBATCH_METRICS = """# TYPE streambatch_running_requests gauge
+streambatch_running_requests 31.0
+# TYPE streambatch_waiting_requests gauge
+streambatch_waiting_requests 5.0
+# TYPE streambatch_generated_tokens_total counter
+streambatch_generated_tokens_total 900.0
+"""
+
+_VLLM_METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 30.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 12.0
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 12.0
+"""
+
+
+def test_occupancy_reads_each_servers_own_gauges(monkeypatch: Any) -> None:
+    """Running from the running gauge, waiting from the waiting one, nothing counted twice."""
+    for text, want in ((_STREAMBATCH_METRICS, (31.0, 5.0)), (_VLLM_METRICS, (30.0, 12.0))):
+        target = Target.__new__(Target)
+        monkeypatch.setattr(target, "_metrics", lambda text=text: metric_families_of(text))
+        assert target.occupancy() == want
+
+
+def metric_families_of(text: str) -> Any:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return text_string_to_metric_families(text)
