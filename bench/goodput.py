@@ -467,10 +467,7 @@ class Target:
 
     def busy(self) -> float:
         """Requests the server still runs or queues (its own gauges)."""
-        total = 0.0
-        for family in self._metrics():
-            total += sum(float(s.value) for s in family.samples if s.name in _BUSY)
-        return total
+        return sum(self.occupancy())
 
     def occupancy(self) -> tuple[float, float]:
         """Requests in the engine and waiting for it now (the server's own gauges)."""
@@ -1070,12 +1067,7 @@ def report(
                     args,
                 )
             if "vllm" in results:
-                v, s = row["vllm"], row["streambatch"]
-                row["goodput_ratio_vs_vllm"] = (
-                    round(s["goodput_req_s"] / v["goodput_req_s"], 2)
-                    if v["goodput_req_s"]
-                    else None
-                )
+                row["goodput_ratio_vs_vllm"] = _goodput_ratio(row, "vllm")
                 row["output_tok_s_vs_own_capacity"] = {
                     t: round(row[t]["output_tok_s"] / results[t]["capacity"]["output_tok_s"], 2)
                     for t in ("streambatch", "vllm")
@@ -1087,12 +1079,7 @@ def report(
                     for t in ("streambatch", "vllm")
                 }
             if "vllm_newest_first" in results:
-                c, s = row["vllm_newest_first"], row["streambatch"]
-                row["goodput_ratio_vs_vllm_newest_first"] = (
-                    round(s["goodput_req_s"] / c["goodput_req_s"], 2)
-                    if c["goodput_req_s"]
-                    else None
-                )
+                row["goodput_ratio_vs_vllm_newest_first"] = _goodput_ratio(row, "vllm_newest_first")
             runs.append(row)
 
     ratios = [
@@ -1170,6 +1157,12 @@ def report(
     plot(runs, [t for t in targets if t != "streambatch_refusing"], args.out.with_suffix(".png"))
     args.out.with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report, default=str))
+
+
+def _goodput_ratio(row: dict[str, Any], peer: str) -> float | None:
+    """streambatch's goodput at a point ÷ the peer's (None where the peer served nothing)."""
+    theirs = row[peer]["goodput_req_s"]
+    return round(row["streambatch"]["goodput_req_s"] / theirs, 2) if theirs else None
 
 
 def markdown(report: dict[str, Any]) -> str:
