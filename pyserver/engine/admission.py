@@ -35,9 +35,11 @@ def preemption_victims(
     top: int,
     needed: int,
     slack: Callable[[WorkItem], float],
+    keeps_state: bool = False,
 ) -> list[WorkItem]:
-    """The running requests to abort and requeue for `needed` waiting top-priority ones, never
-    one whose sampling would not resume as it was (Sampling.resumable). By `slack` (time to
+    """The running requests to stop for `needed` waiting top-priority ones. Unless the engine
+    keeps their state (`keeps_state`: suspended in it, not aborted and requeued), never one
+    whose sampling would not resume as it was (Sampling.resumable). By `slack` (time to
     its deadline ÷ predicted remaining time, inf without a deadline) a request may be stopped
     when it could wait as long as it has left to run and still finish in time (slack > 2), or
     when it is predicted to miss its deadline anyway (slack < 1: more likely than not to miss,
@@ -46,7 +48,7 @@ def preemption_victims(
     away)."""
     candidates = []
     for it in running:
-        if it.priority >= top or not it.sampling.resumable:
+        if it.priority >= top or not (keeps_state or it.sampling.resumable):
             continue
         s = slack(it)
         if s > 2.0 or s < 1.0:
@@ -64,7 +66,7 @@ def deadline_slack(item: WorkItem, now: int, remaining_service_s: float) -> floa
     return (item.deadline_ns - now) / 1e9 / max(remaining_service_s, 1e-9)
 
 
-def requeue_for_top_priority(
+def top_priority_victims(
     queue: BatchQueue,
     running: dict[int, WorkItem],
     *,
@@ -73,33 +75,36 @@ def requeue_for_top_priority(
     kv_room: int,
     after_ns: int,
     slack: Callable[[WorkItem], float],
-) -> list[int]:
-    """Put back in the queue (at the front of their level) the running requests that waiting
-    top-priority ones preempt, when those have waited `after_ns` and the engine has no room for
-    them; returns their handles, for the caller to abort in the engine. A requeued request keeps
-    its generated tokens: admitted again, it resumes where it stopped."""
+    keeps_state: bool = False,
+) -> list[WorkItem]:
+    """The running requests that waiting top-priority ones preempt, when those have waited
+    `after_ns` and the engine has no room for them (preemption_victims chooses; one about to
+    generate its last token finishes this step anyway and is left)."""
     stats = queue.stats()
     waiting = sum(stats.depth[top])
     if kv_room > 0 and waiting <= free:
         return []  # admission takes them all this iteration (reserved slots included)
     if not waiting or stats.oldest_wait_ns_by_level[top] < after_ns:
         return []
-    stopped: list[int] = []
-    for item in preemption_victims(running.values(), top=top, needed=waiting - free, slack=slack):
-        remaining = item.sampling.max_tokens - item.completion_tokens
-        if remaining <= 0:
-            continue  # finishing this step anyway
-        status = queue.requeue(
-            item.handle,
-            len(item.prompt_token_ids) + item.completion_tokens,
-            remaining,
-            item.priority,
-            item.deadline_ns,
-            item.accepted_ns,
-        )
-        if status == PushStatus.ACCEPTED:  # else closed (draining): it finishes where it is
-            stopped.append(item.handle)
-    return stopped
+    victims = preemption_victims(
+        running.values(), top=top, needed=waiting - free, slack=slack, keeps_state=keeps_state
+    )
+    return [it for it in victims if it.sampling.max_tokens > it.completion_tokens]
+
+
+def requeue(queue: BatchQueue, item: WorkItem) -> bool:
+    """Put a preempted request back in the queue, at the front of its level; it keeps its
+    generated tokens and, admitted again, resumes where it stopped. False when the queue is
+    closed (draining): it then finishes where it is."""
+    status = queue.requeue(
+        item.handle,
+        len(item.prompt_token_ids) + item.completion_tokens,
+        item.sampling.max_tokens - item.completion_tokens,
+        item.priority,
+        item.deadline_ns,
+        item.accepted_ns,
+    )
+    return status == PushStatus.ACCEPTED
 
 
 def resumed(item: WorkItem) -> tuple[list[int], Sampling]:

@@ -30,11 +30,15 @@ class EngineView:
     slots: int = 1  # the admitted-concurrency limit
 
     @classmethod
-    def of(cls, running: Collection[WorkItem], top: int, slots: int) -> EngineView:
+    def of(
+        cls, running: Collection[WorkItem], top: int, slots: int, *, suspends: bool = False
+    ) -> EngineView:
+        """suspends: the engine suspends preempted requests (every lower one may be stopped),
+        rather than requeueing them (only those whose sampling resumes as it was)."""
         return cls(
             frozenset(it.handle for it in running),
             tuple(max(1.0, it.expected_tokens - it.completion_tokens) for it in running),
-            sum(1 for it in running if it.priority < top and it.sampling.resumable),
+            sum(1 for it in running if it.priority < top and (suspends or it.sampling.resumable)),
             slots,
         )
 

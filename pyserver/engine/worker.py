@@ -30,8 +30,9 @@ from pyserver.engine import adapter
 from pyserver.engine.admission import (
     admission_room,
     deadline_slack,
-    requeue_for_top_priority,
+    requeue,
     resumed,
+    top_priority_victims,
 )
 from pyserver.engine.deadlines import DeadlineAdmission, EngineView, queue_expiry
 from pyserver.engine.intake import resident_prefix_preference
@@ -120,6 +121,10 @@ class EngineWorker:
         engine.stats.on_preemptions = self._metrics.preemptions.labels("engine").inc
         self._items: dict[int, WorkItem] = {}  # every accepted, unfinished request
         self._running: dict[int, WorkItem] = {}  # in the engine (worker thread only)
+        # In the engine but suspended by a priority preemption (worker thread only): no slot,
+        # their KV blocks and sampling state kept. Only with the engine core in this process.
+        self._suspended: dict[int, WorkItem] = {}
+        self._can_suspend = engine.can_suspend
         self._outputs = StepOutputs(self._running, self.deadlines, self._metrics, step_tracer)
         self._aborts: list[int] = []
         self._aborts_lock = threading.Lock()
@@ -214,7 +219,7 @@ class EngineWorker:
                 self._publish_view()
                 if self._running:
                     self._step()
-                elif self.queue.closed and self.queue.size() == 0:
+                elif self.queue.closed and self.queue.size() == 0 and not self._suspended:
                     return
         except BaseException as exc:  # the engine is gone: fail everyone, let the server exit
             log.exception("engine worker failed")
@@ -231,17 +236,19 @@ class EngineWorker:
             return
         with self._aborts_lock:
             handles, self._aborts = self._aborts, []
-        live = [h for h in handles if h in self._running]
+        live = [h for h in handles if h in self._running or h in self._suspended]
         # Preempted and requeued since the client left: it waits in the queue again, so the
         # queue cancels it (reported by the next pop) instead of it running for nobody.
         for h in handles:
-            if h not in self._running and h in self._items:
+            if h not in self._running and h not in self._suspended and h in self._items:
                 self.queue.cancel(h)
         self._engine.abort(live)
         err = RequestError(ErrorKind.CANCELLED, "cancelled by the client")
         self._deliver([(self._retire(h).mailbox, Delta(error=err)) for h in live])
 
     def _admit(self) -> None:
+        if self._suspended:
+            self._resume_suspended()
         free = self._admission_room()
         timeout = 0.0 if self._running else _IDLE_WAIT_S
         room = self.kv.room
@@ -266,6 +273,28 @@ class EngineWorker:
             if (item := self._items.get(h)) is not None and (err := self._enter(item, now)):
                 out.append(self._end(h, err))
         self._deliver(out)
+
+    def _resume_suspended(self) -> None:
+        """Suspended requests take free slots before queued requests of their level or below
+        (where a requeued one would stand: at the front of its level), never before a queued
+        request of a higher level."""
+        free = self._admission_room()
+        if free <= 0:
+            return
+        depth = [sum(buckets) for buckets in self.queue.stats().depth]
+        back: list[WorkItem] = []
+        for item in sorted(self._suspended.values(), key=lambda it: -it.priority):
+            if len(back) + sum(depth[item.priority + 1 :]) >= free:
+                break
+            back.append(item)
+        if not back:
+            return
+        self._engine.resume([it.handle for it in back])
+        now = time.monotonic_ns()
+        for item in back:
+            self._running[item.handle] = self._suspended.pop(item.handle)
+            if item.last_token_ns:  # the time suspended is no step's inter-token gap
+                item.last_token_ns = now
 
     def _end(self, handle: int, err: RequestError) -> tuple[Mailbox, Delta]:
         """A request outside the engine ends with err."""
@@ -311,6 +340,13 @@ class EngineWorker:
         started = time.monotonic_ns()
         outputs = self._engine.step()
         self.stats.steps += 1
+        stray = [o.handle for o in outputs if o.handle in self._suspended]
+        if stray:
+            # The scheduler keeps suspended requests out of every step; should one get tokens
+            # anyway, it is running again and its tokens reach its caller.
+            log.error("suspended requests %s were stepped; taken back as running", stray)
+            for h in stray:
+                self._running[h] = self._suspended.pop(h)
         now = time.monotonic_ns()
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(self._running))
         out, finished = self._outputs.collect(outputs, started, now, self._controller)
@@ -324,7 +360,7 @@ class EngineWorker:
 
     def _publish_view(self) -> None:
         running, top = self._running.values(), self._top_priority
-        self._view = EngineView.of(running, top, self.concurrency_limit)
+        self._view = EngineView.of(running, top, self.concurrency_limit, suspends=self._can_suspend)
 
     @property
     def step_token_budget(self) -> int:
@@ -337,7 +373,11 @@ class EngineWorker:
             self._engine.set_step_token_budget(limit)
 
     def _expire_running(self, now: int) -> list[tuple[Mailbox, Delta]]:
-        late = [h for h, it in self._running.items() if it.deadline_ns and it.deadline_ns <= now]
+        late = [
+            h
+            for h, it in itertools.chain(self._running.items(), self._suspended.items())
+            if it.deadline_ns and it.deadline_ns <= now
+        ]
         if not late:
             return []
         self._engine.abort(late)
@@ -352,17 +392,24 @@ class EngineWorker:
         return item
 
     def _leave_engine(self, handle: int) -> WorkItem:
-        item = self._running.pop(handle)
+        if handle in self._suspended:
+            item = self._suspended.pop(handle)
+        else:
+            item = self._running.pop(handle)
         self.kv.release(handle)
         return item
 
     def _preempt_for_top_priority(self) -> None:
-        """Abort-and-requeue the lowest-priority running requests for waiting top-priority
-        ones (pyserver.engine.admission)."""
+        """Stop the lowest-priority running requests for waiting top-priority ones
+        (pyserver.engine.admission). Where the engine core runs in this process and a slot is
+        what they lack (not KV room), the victims are suspended in the engine: their KV blocks
+        and sampling state stay, so nothing is computed again and any call may be stopped.
+        Otherwise they are aborted and requeued, and re-prefill their prompt and output."""
         if self._preempt_after_ns is None or not self._running:
             return
         now = time.monotonic_ns()
-        stopped = requeue_for_top_priority(
+        suspend = self._can_suspend and self.kv.room > 0
+        victims = top_priority_victims(
             self.queue,
             self._running,
             top=self._top_priority,
@@ -370,7 +417,18 @@ class EngineWorker:
             kv_room=self.kv.room,
             after_ns=self._preempt_after_ns,
             slack=lambda it: deadline_slack(it, now, self.deadlines.remaining_service_s(it)),
+            keeps_state=suspend,
         )
+        if not victims:
+            return
+        if suspend:
+            self._engine.suspend([it.handle for it in victims])
+            for item in victims:
+                self._suspended[item.handle] = self._running.pop(item.handle)
+                item.preemptions += 1
+            self._metrics.preemptions.labels("suspended").inc(len(victims))
+            return
+        stopped = [it.handle for it in victims if requeue(self.queue, it)]
         if not stopped:
             return
         self._engine.abort(stopped)
@@ -385,6 +443,7 @@ class EngineWorker:
             self.deadlines.settle(item)
         self._items.clear()
         self._running.clear()
+        self._suspended.clear()
         self.kv.clear()
         self._deliver([(item.mailbox, Delta(error=err)) for item in victims])
 

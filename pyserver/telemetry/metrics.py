@@ -204,8 +204,9 @@ class Metrics:
         )
         self.preemptions = Counter(
             f"{PREFIX}_preemptions",
-            "Running requests stopped to make room: kind=priority (ours, requeued and resumed) "
-            "or engine (vLLM recomputation when its KV cache ran out)",
+            "Running requests stopped to make room: kind=suspended (ours, kept in the engine "
+            "with their KV and resumed), priority (ours, requeued and recomputed) or engine "
+            "(vLLM recomputation when its KV cache ran out)",
             ["kind"],
             registry=r,
         )

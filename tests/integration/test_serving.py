@@ -275,8 +275,12 @@ def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(engine_serve
         value = registry.get_sample_value("streambatch_preemptions_total", {"kind": kind})
         return value or 0.0
 
+    # In this process the victim is suspended in the engine (its KV kept); in its own
+    # process it is aborted and requeued, and re-prefills its prompt and output.
+    separate = engine_server.server.settings.engine.separate_process
+    kind = "priority" if separate else "suspended"
     assert wait_until(engine_server.engine_idle, 30)
-    before, engine_before = preemptions("priority"), preemptions("engine")
+    before, engine_before = preemptions(kind), preemptions("engine")
     requeued_before = engine_server.worker.queue.stats().requeued
     with ThreadPoolExecutor(10) as pool:
         lows = [
@@ -289,8 +293,9 @@ def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(engine_serve
     assert high.code == grpc.StatusCode.OK
     # Admitted at the next engine iteration, not after a low request finished (96 tokens).
     assert high.last.timings.queue_ms < 1000, high.last.timings
-    assert preemptions("priority") >= before + 1
-    assert engine_server.worker.queue.stats().requeued >= requeued_before + 1
+    assert preemptions(kind) >= before + 1
+    requeued = engine_server.worker.queue.stats().requeued - requeued_before
+    assert requeued >= 1 if separate else requeued == 0, requeued
     assert preemptions("engine") == engine_before  # KV-aware admission: vLLM never had to
     # Every preempted stream resumed and delivered all of its tokens exactly once.
     for r in lows_done:
@@ -300,8 +305,49 @@ def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(engine_serve
         assert r.last.usage.prompt_tokens < 40  # the client's prompt, not prompt + output
     # Each stream reports how often it was stopped; together, every preemption of this test.
     stopped = sum(r.last.timings.preemptions for r in lows_done)
-    assert stopped == preemptions("priority") - before, [r.last.timings for r in lows_done]
+    assert stopped == preemptions(kind) - before, [r.last.timings for r in lows_done]
     assert high.last.timings.preemptions == 0
+    assert not engine_server.worker._suspended
+
+
+def test_a_seeded_call_may_be_suspended_for_top_priority(  # type: ignore[no-untyped-def]
+    engine_server,
+) -> None:
+    """A seeded call's generator would restart on a recompute, so a requeueing preemption
+    never stops one; suspended in the engine (its core in this process), it keeps its
+    generator and KV, so every call may be stopped, and it resumes with all of its tokens."""
+    if engine_server.server.settings.engine.separate_process:
+        pytest.skip("suspension needs the engine core in this process")
+    s = stub(engine_server.target)
+    registry = engine_server.server.metrics.registry
+
+    def preemptions(kind: str) -> float:
+        value = registry.get_sample_value("streambatch_preemptions_total", {"kind": kind})
+        return value or 0.0
+
+    def seeded(i: int) -> Any:
+        req = request(f"Tale {i}", max_tokens=40, ignore_eos=True, temperature=1.0)
+        req.sampling.seed = 100 + i
+        return req
+
+    assert wait_until(engine_server.engine_idle, 30)
+    before, requeued_before = preemptions("suspended"), preemptions("priority")
+    slots = engine_server.worker.max_num_seqs
+    with ThreadPoolExecutor(slots + 2) as pool:
+        lows = [pool.submit(run_stream, s, seeded(i)) for i in range(slots)]
+        assert wait_until(lambda: engine_server.worker.running == slots, 30)
+        high = run_stream(s, request("Urgent", max_tokens=4, priority=1, ignore_eos=True))
+        done = [f.result(180) for f in lows]
+    assert high.code == grpc.StatusCode.OK
+    assert high.last.timings.queue_ms < 1000, high.last.timings  # not after a low one ended
+    assert preemptions("suspended") >= before + 1
+    assert preemptions("priority") == requeued_before
+    assert sum(r.last.timings.preemptions for r in done) == preemptions("suspended") - before
+    for r in done:
+        assert r.code == grpc.StatusCode.OK, r.details
+        assert r.last.usage.completion_tokens == 40
+        assert sum(len(m.token_ids) for m in r.messages) == 40
+    assert not engine_server.worker._suspended
 
 
 def test_reserved_top_slots_admit_top_priority_without_preempting(engine_server) -> None:  # type: ignore[no-untyped-def]
@@ -310,8 +356,10 @@ def test_reserved_top_slots_admit_top_priority_without_preempting(engine_server)
     registry = engine_server.server.metrics.registry
 
     def preempted() -> float:
-        value = registry.get_sample_value("streambatch_preemptions_total", {"kind": "priority"})
-        return value or 0.0
+        return sum(
+            registry.get_sample_value("streambatch_preemptions_total", {"kind": kind}) or 0.0
+            for kind in ("priority", "suspended")
+        )
 
     assert wait_until(engine_server.engine_idle, 30)
     worker.reserved_top_slots = 2

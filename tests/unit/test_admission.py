@@ -106,6 +106,16 @@ def test_constrained_and_penalised_requests_are_never_victims() -> None:
     assert [v.handle for v in victims] == [3]
 
 
+def test_a_suspending_engine_may_stop_any_lower_request() -> None:
+    """Suspended in the engine, a request keeps its constraint and penalty state."""
+    constrained, plain = item(1, 0, 1), item(3, 0, 9)
+    constrained.sampling = Sampling(max_tokens=20, structured=Structured("regex", "[0-9]+"))
+    victims = preemption_victims(
+        [constrained, plain], top=1, needed=1, slack=lambda it: math.inf, keeps_state=True
+    )
+    assert [v.handle for v in victims] == [1]  # the least progressed
+
+
 def test_a_resumed_request_does_not_ask_for_its_prompt_logprobs_again() -> None:
     it = item(1, 0, done=4)
     it.sampling = Sampling(max_tokens=20, prompt_logprobs=2, logprobs=1)

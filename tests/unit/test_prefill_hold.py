@@ -24,6 +24,10 @@ class Req:  # the fields of vllm.v1.request.Request the rule reads
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
 
+    @property
+    def request_id(self) -> str:
+        return self.name
+
 
 def test_low_prefills_sit_out_while_a_top_request_prefills() -> None:
     low_prefill = Req("low-prefill", 0, 32, 400)

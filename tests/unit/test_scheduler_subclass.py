@@ -36,6 +36,7 @@ def scheduler(running: list[Req], waiting: list[Req]) -> Any:
     s._top_priority, s._normal_budget, s._urgent_limit, s._cap_urgent_steps = -1, 128, 512, False
     s._seeded_prompt_limit, s._held_running_last = 0, False  # 0: not the CPU's rule
     s.max_num_running_reqs = 32
+    s._suspended = set()
     return s
 
 
@@ -55,6 +56,30 @@ def test_without_an_urgent_prompt_vllm_schedules_untouched(seen: list[Any]) -> N
     s = scheduler([low_prefill], [Req("low-new", 0, 0, 90)])
     s.schedule()
     assert seen == [(["low-prefill"], 128)]
+
+
+def test_suspended_requests_sit_out_every_step_until_resumed(seen: list[Any]) -> None:
+    a, b, c = Req("a", 0, 120, 100, 20), Req("b", 0, 130, 100, 30), Req("c", 0, 110, 100, 10)
+    s = scheduler([a, b, c], [])
+    s.waiting = Waiting([Req("w", 0, 0, 40)])
+    s.suspend(["b", "w"])
+    s.schedule()
+    s.schedule()
+    # Out of vLLM's view for the step (its slots count only the others), then back behind.
+    assert seen == [(["a", "c"], 128), (["a", "c", "taken-in"], 128)]
+    assert [r.name for r in s.running] == ["a", "c", "taken-in", "taken-in", "b"]
+    assert [r.name for r in s.waiting] == ["w"]
+    s.resume(["b"])
+    s.schedule()
+    assert seen[-1][0] == ["a", "c", "taken-in", "taken-in", "b"]
+
+
+def test_a_suspended_request_that_left_the_engine_is_forgotten(seen: list[Any]) -> None:
+    s = scheduler([Req("a", 0, 120, 100, 20)], [])
+    s.waiting = Waiting([])
+    s.suspend(["aborted"])  # aborted between steps: in neither of vLLM's lists
+    s.schedule()
+    assert s._suspended == set()
 
 
 def test_the_controllers_budget_caps_urgent_steps_too(seen: list[Any]) -> None:

@@ -188,6 +188,24 @@ class Engine:
 
         return local_instance(self.llm.vllm_config)
 
+    @property
+    def can_suspend(self) -> bool:
+        """Whether requests can be suspended in the engine (its core runs in this process)."""
+        return self.local_scheduler() is not None
+
+    def suspend(self, handles: Sequence[int]) -> None:
+        """Keep these requests out of every step, with their KV blocks and sampling state,
+        until resumed: a preemption without recomputation. Needs can_suspend."""
+        sched = self.local_scheduler()
+        if sched is None:
+            raise ValueError("suspending requests needs the engine core in this process")
+        sched.suspend(str(h) for h in handles)
+
+    def resume(self, handles: Sequence[int]) -> None:
+        sched = self.local_scheduler()
+        if sched is not None:
+            sched.resume(str(h) for h in handles)
+
     def set_step_token_budget(self, tokens: int) -> None:
         """Every step's token budget from the next one on, urgent prefills included (a latency
         controller's knob: a step that prefills a whole prompt is a token gap for every other

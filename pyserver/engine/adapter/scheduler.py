@@ -13,6 +13,12 @@ in list order, so a prefill chunk ahead of decodes could take it all and make th
 skip a step), held waiting requests leave its waiting queue and go back in their place (the
 queue orders by priority, then arrival), and the budget goes back to the normal one.
 
+And the worker may suspend requests (a priority preemption that keeps the request's KV blocks
+and sampling state): a suspended request sits out every step, wherever vLLM keeps it, until
+resumed, and does not count against vLLM's slots meanwhile. Only where the engine core runs in
+this process (the worker reaches the scheduler object); elsewhere a preemption aborts and
+requeues.
+
 Configured through vLLM's `additional_config` (key "streambatch": `top_priority`, vLLM's
 priority of streambatch's top level); imported by vLLM by qualified name, in the engine core's
 process.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.sampling_params import SamplingType
@@ -53,6 +60,7 @@ class _PriorityPrefill(Scheduler):
         self._cap_urgent_steps = False
         self._seeded_prompt_limit = seeded_prompt_limit(self.vllm_config)
         self._held_running_last = False
+        self._suspended: set[str] = set()  # request ids kept out of every step (suspend())
         with _local_lock:
             _local[id(self.vllm_config)] = weakref.ref(self)
 
@@ -65,7 +73,35 @@ class _PriorityPrefill(Scheduler):
         self._cap_urgent_steps = cap_urgent_steps
         self.max_num_scheduled_tokens = tokens
 
+    def suspend(self, request_ids: Iterable[str]) -> None:
+        """Keep these requests out of every step until resumed, with their KV blocks and
+        sampling state kept (call it between steps, from the thread that steps the engine)."""
+        self._suspended.update(request_ids)
+
+    def resume(self, request_ids: Iterable[str]) -> None:
+        self._suspended.difference_update(request_ids)
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._suspended:
+            return self._schedule_with_holds(*args, **kwargs)
+        # Suspended requests leave the running list and the waiting queue for the span of the
+        # step (vLLM's admission then counts only the others against its slots) and come back
+        # behind the others; ids in neither were finished or aborted and are forgotten.
+        out_running = [r for r in self.running if r.request_id in self._suspended]
+        out_waiting = [r for r in self.waiting if r.request_id in self._suspended]
+        self._suspended = {r.request_id for r in out_running + out_waiting}
+        if out_running:
+            self.running = [r for r in self.running if r.request_id not in self._suspended]
+        if out_waiting:
+            self.waiting.remove_requests(out_waiting)
+        try:
+            return self._schedule_with_holds(*args, **kwargs)
+        finally:
+            self.running = self.running + out_running
+            for r in out_waiting:
+                self.waiting.add_request(r)
+
+    def _schedule_with_holds(self, *args: Any, **kwargs: Any) -> Any:
         # Requests that hold KV blocks (KV connectors) go before the waiting queue: the waiting
         # order is then not the one the rules size the budget for.
         holding = getattr(self, "kv_holding_waiting", None)
