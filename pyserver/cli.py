@@ -278,6 +278,17 @@ def _serve_parser(sub: Any) -> None:
     )
     _add(
         p,
+        "--preemption",
+        str,
+        "suspend",
+        "how a preempted request makes room: suspend (it stays in the engine with its KV "
+        "blocks and sampling state, computing nothing until resumed; needs the engine core in "
+        "this process, else requeue) or requeue (aborted, its KV freed at once; resumed by "
+        "prefilling its prompt and output again)",
+        choices=("suspend", "requeue"),
+    )
+    _add(
+        p,
         "--step-tokens",
         int,
         0,
@@ -624,6 +635,7 @@ def _serve(args: argparse.Namespace, vllm_argv: list[str]) -> int:
         deadline_admission=args.deadline_admission,
         refusal_confidence=args.refusal_confidence,
         preempt_after_s=None if args.preempt_after_ms < 0 else args.preempt_after_ms / 1e3,
+        preemption=args.preemption,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
         max_message_bytes=args.max_message_bytes,

@@ -68,6 +68,7 @@ class EngineWorker:
         controller: AdaptiveBatchController | None = None,
         controller_knob: str = "concurrency",
         preempt_after_s: float | None = 0.0,
+        suspend_preempted: bool = True,
         reserved_top_slots: int = 0,
         deadline_admission: str = "shadow",
         refusal_confidence: float = 0.95,
@@ -124,7 +125,7 @@ class EngineWorker:
         # In the engine but suspended by a priority preemption (worker thread only): no slot,
         # their KV blocks and sampling state kept. Only with the engine core in this process.
         self._suspended: dict[int, WorkItem] = {}
-        self._can_suspend = engine.can_suspend
+        self._can_suspend = suspend_preempted and engine.can_suspend
         self._outputs = StepOutputs(self._running, self.deadlines, self._metrics, step_tracer)
         self._aborts: list[int] = []
         self._aborts_lock = threading.Lock()

@@ -65,6 +65,7 @@ class ServerSettings:
     lifo_backlog_s: float = 5.0  # newest first only for a backlog over this long's admissions
     level_capacity: tuple[int, ...] = ()  # per priority level; 0 or empty = only the total
     preempt_after_s: float | None = 0.0  # None: no priority preemption
+    preemption: str = "suspend"  # suspend (engine core in this process) | requeue
     reserved_top_slots: int = 0  # engine sequence slots only the top priority level may use
     step_tokens: int = 0  # per-step token budget of normal steps (0: max_num_batched_tokens)
     level_queue_timeout_ms: tuple[int, ...] = ()  # default queue timeout per level (0: none)
@@ -206,6 +207,7 @@ class StreambatchServer:
             controller=controller,
             controller_knob=s.controller_knob,
             preempt_after_s=s.preempt_after_s,
+            suspend_preempted=s.preemption == "suspend",
             reserved_top_slots=s.reserved_top_slots,
             deadline_admission=s.deadline_admission,
             refusal_confidence=s.refusal_confidence,
