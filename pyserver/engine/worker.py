@@ -257,7 +257,8 @@ class EngineWorker:
         if free <= 0 or room <= 0:
             free, room = 0, 0  # still reap expiries and cancellations
         elif self._affinity and self.queue.size() > 1:
-            preferred = resident_prefix_preference(self._items, self._running, self.kv)
+            in_engine = {**self._running, **self._suspended} if self._suspended else self._running
+            preferred = resident_prefix_preference(self._items, in_engine, self.kv)
         result = self.queue.pop_batch(free, room, timeout, preferred)
         if preferred and result.admitted:
             taken = len(set(preferred).intersection(result.admitted))
