@@ -52,6 +52,7 @@ class EngineStats:
     steps: int = 0
     requests_added: int = 0
     max_batch_seen: int = 0
+    suspended_stepped: int = 0  # suspended requests that got tokens anyway (a bug if not 0)
 
 
 class EngineWorker:
@@ -220,7 +221,9 @@ class EngineWorker:
                 self._publish_view()
                 if self._running:
                     self._step()
-                elif self.queue.closed and self.queue.size() == 0 and not self._suspended:
+                elif self._suspended:  # nothing steps: their deadlines are checked here
+                    self._deliver(self._expire_running(time.monotonic_ns()))
+                elif self.queue.closed and self.queue.size() == 0:
                     return
         except BaseException as exc:  # the engine is gone: fail everyone, let the server exit
             log.exception("engine worker failed")
@@ -345,8 +348,11 @@ class EngineWorker:
         stray = [o.handle for o in outputs if o.handle in self._suspended]
         if stray:
             # The scheduler keeps suspended requests out of every step; should one get tokens
-            # anyway, it is running again and its tokens reach its caller.
-            log.error("suspended requests %s were stepped; taken back as running", stray)
+            # anyway, it runs again (resumed in the scheduler too) and its tokens reach its
+            # caller.
+            log.error("suspended requests %s were stepped; resumed", stray)
+            self.stats.suspended_stepped += len(stray)
+            self._engine.resume(stray)
             for h in stray:
                 self._running[h] = self._suspended.pop(h)
         now = time.monotonic_ns()
@@ -410,7 +416,10 @@ class EngineWorker:
         if self._preempt_after_ns is None or not self._running:
             return
         now = time.monotonic_ns()
-        suspend = self._can_suspend and self.kv.room > 0
+        # A suspended request keeps its KV reservation: suspend only while the room left holds
+        # the longest request for each waiting top-priority one, else free the room.
+        waiting_top = sum(self.queue.stats().depth[self._top_priority])
+        suspend = self._can_suspend and self.kv.room >= waiting_top * self.max_model_len
         victims = top_priority_victims(
             self.queue,
             self._running,

@@ -308,6 +308,8 @@ def test_top_priority_preempts_a_full_engine_and_the_victim_resumes(engine_serve
     assert stopped == preemptions(kind) - before, [r.last.timings for r in lows_done]
     assert high.last.timings.preemptions == 0
     assert not engine_server.worker._suspended
+    # A suspended victim sat out every step until resumed (vLLM knows it by its own id).
+    assert engine_server.worker.stats.suspended_stepped == 0
 
 
 def test_a_seeded_call_may_be_suspended_for_top_priority(  # type: ignore[no-untyped-def]
@@ -348,6 +350,7 @@ def test_a_seeded_call_may_be_suspended_for_top_priority(  # type: ignore[no-unt
         assert r.last.usage.completion_tokens == 40
         assert sum(len(m.token_ids) for m in r.messages) == 40
     assert not engine_server.worker._suspended
+    assert engine_server.worker.stats.suspended_stepped == 0
 
 
 def test_reserved_top_slots_admit_top_priority_without_preempting(engine_server) -> None:  # type: ignore[no-untyped-def]

@@ -62,6 +62,7 @@ def test_suspended_requests_sit_out_every_step_until_resumed(seen: list[Any]) ->
     a, b, c = Req("a", 0, 120, 100, 20), Req("b", 0, 130, 100, 30), Req("c", 0, 110, 100, 10)
     s = scheduler([a, b, c], [])
     s.waiting = Waiting([Req("w", 0, 0, 40)])
+    s.requests = {r.name: r for r in [a, b, c, *s.waiting]}
     s.suspend(["b", "w"])
     s.schedule()
     s.schedule()
@@ -77,7 +78,8 @@ def test_suspended_requests_sit_out_every_step_until_resumed(seen: list[Any]) ->
 def test_a_suspended_request_that_left_the_engine_is_forgotten(seen: list[Any]) -> None:
     s = scheduler([Req("a", 0, 120, 100, 20)], [])
     s.waiting = Waiting([])
-    s.suspend(["aborted"])  # aborted between steps: in neither of vLLM's lists
+    s.requests = {"a": s.running[0]}
+    s.suspend(["aborted"])  # aborted between steps: vLLM no longer has it
     s.schedule()
     assert s._suspended == set()
 

@@ -62,6 +62,9 @@ class Engine:
             for index, (name, path) in enumerate(sorted((adapters or {}).items()), start=1)
         }
         self.adapter_names: tuple[str, ...] = tuple(self._loras)
+        # vLLM's own id of each request in it (add_request's answer: vLLM makes ids unique by
+        # appending to the one it is given); its scheduler knows a request only by that id.
+        self._engine_ids: dict[int, str] = {}
         # What vLLM raises for a bad request before it touches engine state.
         self._request_errors: tuple[type[Exception], ...] = (VLLMClientError, ValueError)
         config = llm.vllm_config
@@ -108,7 +111,7 @@ class Engine:
         the engine failed. The log gets vLLM's text but never the caller's: no prompt, no
         sampling settings (they hold stop strings)."""
         try:
-            self.llm.add_request(
+            self._engine_ids[item.handle] = self.llm.add_request(
                 str(item.handle),
                 {"prompt_token_ids": prompt},
                 sampling_params(sampling),
@@ -126,10 +129,14 @@ class Engine:
     def abort(self, handles: Sequence[int]) -> None:
         if handles:
             self.llm.abort_request([str(h) for h in handles])
+            for h in handles:
+                self._engine_ids.pop(h, None)
 
     def step(self) -> list[StepOutput]:
         out = []
         for o in self.llm.step():
+            if o.finished:
+                self._engine_ids.pop(int(o.request_id), None)
             c = o.outputs[0]
             token_ids = list(c.token_ids)
             out.append(
@@ -190,8 +197,11 @@ class Engine:
 
     @property
     def can_suspend(self) -> bool:
-        """Whether requests can be suspended in the engine (its core runs in this process)."""
-        return self.local_scheduler() is not None
+        """Whether requests can be suspended in the engine: its core runs in this process, with
+        vLLM's first model runner (its second keeps a fixed slot per unfinished request, which
+        suspended requests beyond max_num_seqs would overflow)."""
+        sched = self.local_scheduler()
+        return sched is not None and not self.llm.vllm_config.use_v2_model_runner
 
     def suspend(self, handles: Sequence[int]) -> None:
         """Keep these requests out of every step, with their KV blocks and sampling state,
@@ -199,12 +209,12 @@ class Engine:
         sched = self.local_scheduler()
         if sched is None:
             raise ValueError("suspending requests needs the engine core in this process")
-        sched.suspend(str(h) for h in handles)
+        sched.suspend(self._engine_ids[h] for h in handles)
 
     def resume(self, handles: Sequence[int]) -> None:
         sched = self.local_scheduler()
         if sched is not None:
-            sched.resume(str(h) for h in handles)
+            sched.resume(self._engine_ids[h] for h in handles if h in self._engine_ids)
 
     def set_step_token_budget(self, tokens: int) -> None:
         """Every step's token budget from the next one on, urgent prefills included (a latency

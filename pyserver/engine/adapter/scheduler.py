@@ -86,10 +86,10 @@ class _PriorityPrefill(Scheduler):
             return self._schedule_with_holds(*args, **kwargs)
         # Suspended requests leave the running list and the waiting queue for the span of the
         # step (vLLM's admission then counts only the others against its slots) and come back
-        # behind the others; ids in neither were finished or aborted and are forgotten.
+        # behind the others; ids vLLM no longer has were finished or aborted: forgotten.
+        self._suspended.intersection_update(self.requests)
         out_running = [r for r in self.running if r.request_id in self._suspended]
         out_waiting = [r for r in self.waiting if r.request_id in self._suspended]
-        self._suspended = {r.request_id for r in out_running + out_waiting}
         if out_running:
             self.running = [r for r in self.running if r.request_id not in self._suspended]
         if out_waiting:
