@@ -187,6 +187,11 @@ class EngineWorker:
         """Requests in the engine now (read from any thread; derived, never a stale copy)."""
         return len(self._running)
 
+    @property
+    def suspended(self) -> int:
+        """Requests suspended in the engine by a priority preemption (read from any thread)."""
+        return len(self._suspended)
+
     def engine_kv_usage(self) -> float | None:
         """vLLM's own KV block usage (0..1); None before the engine has reported one."""
         return self._engine.kv_cache_usage()

@@ -280,6 +280,7 @@ class StreambatchServer:
             queued_by_priority=[sum(level) for level in stats.depth],
             running=w.running,
             kv_cache_usage=w.kv.usage,
+            suspended=w.suspended,
             concurrency_limit=w.concurrency_limit,
             step_token_budget=w.step_token_budget,
             oldest_wait_s=stats.oldest_wait_ns / 1e9,

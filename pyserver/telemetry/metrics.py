@@ -42,6 +42,7 @@ class LoadSnapshot:
     concurrency_limit: int
     step_token_budget: int
     oldest_wait_s: float
+    suspended: int = 0
 
 
 class BusyWindow:
@@ -106,6 +107,11 @@ class _LoadCollector(Collector):
         )
         yield GaugeMetricFamily(
             f"{PREFIX}_running_requests", "Requests in the engine", value=snap.running
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_suspended_requests",
+            "Requests a priority preemption suspended in the engine (KV kept, not stepped)",
+            value=snap.suspended,
         )
         yield GaugeMetricFamily(
             f"{PREFIX}_kv_cache_usage_ratio",
