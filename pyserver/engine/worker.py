@@ -294,7 +294,10 @@ class EngineWorker:
         depth = [sum(buckets) for buckets in self.queue.stats().depth]
         back: list[WorkItem] = []
         for item in sorted(self._suspended.values(), key=lambda it: -it.priority):
-            if len(back) + sum(depth[item.priority + 1 :]) >= free:
+            # With nothing running they go back before queued higher-level calls too: those may
+            # lack the KV room the suspended ones hold, and must not wait on them forever.
+            ahead = sum(depth[item.priority + 1 :]) if self._running else 0
+            if len(back) + ahead >= free:
                 break
             back.append(item)
         if not back:

@@ -197,11 +197,17 @@ class Engine:
 
     @property
     def can_suspend(self) -> bool:
-        """Whether requests can be suspended in the engine: its core runs in this process, with
-        vLLM's first model runner (its second keeps a fixed slot per unfinished request, which
-        suspended requests beyond max_num_seqs would overflow)."""
-        sched = self.local_scheduler()
-        return sched is not None and not self.llm.vllm_config.use_v2_model_runner
+        """Whether requests can be suspended in the engine: its core runs in this process,
+        one batch at a time (with a batch queue, async scheduling or pipeline parallelism, a
+        request suspended between two steps still gets the token of a batch already
+        scheduled), with vLLM's first model runner (its second keeps a fixed slot per
+        unfinished request, which suspended requests beyond max_num_seqs would overflow)."""
+        config = self.llm.vllm_config
+        return (
+            self.local_scheduler() is not None
+            and config.max_concurrent_batches == 1
+            and not config.use_v2_model_runner
+        )
 
     def suspend(self, handles: Sequence[int]) -> None:
         """Keep these requests out of every step, with their KV blocks and sampling state,
@@ -209,7 +215,7 @@ class Engine:
         sched = self.local_scheduler()
         if sched is None:
             raise ValueError("suspending requests needs the engine core in this process")
-        sched.suspend(self._engine_ids[h] for h in handles)
+        sched.suspend(self._engine_ids[h] for h in handles if h in self._engine_ids)
 
     def resume(self, handles: Sequence[int]) -> None:
         sched = self.local_scheduler()
