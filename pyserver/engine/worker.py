@@ -286,8 +286,8 @@ class EngineWorker:
 
     def _resume_suspended(self) -> None:
         """Suspended requests take free slots before queued requests of their level or below
-        (where a requeued one would stand: at the front of its level), never before a queued
-        request of a higher level."""
+        (where a requeued one would stand: at the front of its level), and before a queued
+        request of a higher level only when nothing runs."""
         free = self._admission_room()
         if free <= 0:
             return
