@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Iterable
 
 from pyserver.batching import BatchQueue, PushStatus
-from pyserver.domain import Sampling, WorkItem
+from pyserver.domain import ErrorKind, RequestError, Sampling, WorkItem
 
 
 def admission_room(
@@ -122,3 +122,19 @@ def resumed(item: WorkItem) -> tuple[list[int], Sampling]:
         min_tokens=max(0, s.min_tokens - item.completion_tokens),
         prompt_logprobs=None,  # sent with the first admission; the prompt now holds output
     )
+
+
+def queue_refusal(
+    status: PushStatus, item: WorkItem, retry_after_ms: Callable[[], int]
+) -> RequestError:
+    """The error for a request the queue did not accept."""
+    if status == PushStatus.QUEUE_FULL:
+        return RequestError(
+            ErrorKind.OVERLOADED,
+            "the request queue is full; retry later",
+            retry_after_ms=retry_after_ms(),
+        )
+    if status == PushStatus.CLOSED:
+        return RequestError(ErrorKind.UNAVAILABLE, "shutting down; retry on another replica")
+    cost = len(item.prompt_token_ids) + item.sampling.max_tokens
+    return RequestError(ErrorKind.INVALID, f"request rejected by the queue ({cost} tokens)")

@@ -3,9 +3,8 @@
 Each iteration: apply aborts, preempt for waiting top-priority requests, admit from the C++
 BatchQueue what the engine has room for (sequence slots, KV tokens; resident prompt prefixes
 first), step the engine once, publish that step's deltas to the event loop in one callback,
-retire finished, expired and cancelled requests. The policies are in
-pyserver.engine.{admission,intake,kv_ledger,deadlines,prefill_hold}; vLLM is reached only
-through pyserver.engine.adapter.
+retire finished, expired and cancelled requests. The policies: pyserver.engine.{admission,
+preemption,intake,kv_ledger,deadlines,prefill_hold}; vLLM only through pyserver.engine.adapter.
 
 Failure policy: an exception from the engine fails every queued and in-flight request with
 UNAVAILABLE, closes the queue and sets `failed`; the server then turns health NOT_SERVING and
@@ -27,17 +26,12 @@ from dataclasses import dataclass
 from pyserver.batching import BatchQueue, PushStatus, QueueConfig
 from pyserver.domain import Delta, ErrorKind, Mailbox, RequestError, WorkItem
 from pyserver.engine import adapter
-from pyserver.engine.admission import (
-    admission_room,
-    deadline_slack,
-    requeue,
-    resumed,
-    top_priority_victims,
-)
+from pyserver.engine.admission import admission_room, queue_refusal, resumed
 from pyserver.engine.deadlines import DeadlineAdmission, EngineView, queue_expiry
 from pyserver.engine.intake import resident_prefix_preference
 from pyserver.engine.kv_ledger import KvLedger
 from pyserver.engine.outputs import StepOutputs
+from pyserver.engine.preemption import Preemption
 from pyserver.scheduling import AdaptiveBatchController
 from pyserver.telemetry.metrics import Metrics
 from pyserver.telemetry.tracing import StepTracer
@@ -104,7 +98,6 @@ class EngineWorker:
         self.on_failure: Callable[[BaseException], None] | None = None
         # Called before each step; tests pause the engine with it. None in production.
         self._step_hook: Callable[[], None] | None = None
-        self._preempt_after_ns = None if preempt_after_s is None else int(preempt_after_s * 1e9)
         self._top_priority = queue_config.priority_levels - 1
         if not 0 <= reserved_top_slots < self.max_num_seqs:
             raise ValueError(
@@ -117,16 +110,23 @@ class EngineWorker:
             refusal_confidence,
             self._metrics,
             top_priority=self._top_priority,
-            preempts_at_once=self._preempt_after_ns == 0,
+            preempts_at_once=preempt_after_s == 0,
         )
         self._view = EngineView(slots=self.concurrency_limit)
         engine.stats.on_preemptions = self._metrics.preemptions.labels("engine").inc
         self._items: dict[int, WorkItem] = {}  # every accepted, unfinished request
         self._running: dict[int, WorkItem] = {}  # in the engine (worker thread only)
-        # In the engine but suspended by a priority preemption (worker thread only): no slot,
-        # their KV blocks and sampling state kept. Only with the engine core in this process.
-        self._suspended: dict[int, WorkItem] = {}
-        self._can_suspend = suspend_preempted and engine.can_suspend
+        self._preemption = Preemption(
+            engine,
+            self.queue,
+            self.kv,
+            self.deadlines,
+            self._metrics,
+            top=self._top_priority,
+            after_s=preempt_after_s,
+            suspend=suspend_preempted,
+        )
+        self._suspended = self._preemption.suspended  # in the engine, no slot (worker thread)
         self._outputs = StepOutputs(self._running, self.deadlines, self._metrics, step_tracer)
         self._aborts: list[int] = []
         self._aborts_lock = threading.Lock()
@@ -153,7 +153,6 @@ class EngineWorker:
         # list(): one atomic copy under the GIL (the worker thread changes the dict).
         self.deadlines.predict(item, queue_deadline_ns, self._view, list(self._items.values()))
         self._items[item.handle] = item
-        cost = len(item.prompt_token_ids) + item.sampling.max_tokens
         status = self.queue.push(
             item.handle,
             len(item.prompt_token_ids),
@@ -165,15 +164,7 @@ class EngineWorker:
             return
         del self._items[item.handle]
         self.deadlines.settle(item)
-        if status == PushStatus.QUEUE_FULL:
-            raise RequestError(
-                ErrorKind.OVERLOADED,
-                "the request queue is full; retry later",
-                retry_after_ms=self.retry_after_ms(),
-            )
-        if status == PushStatus.CLOSED:
-            raise RequestError(ErrorKind.UNAVAILABLE, "shutting down; retry on another replica")
-        raise RequestError(ErrorKind.INVALID, f"request rejected by the queue ({cost} tokens)")
+        raise queue_refusal(status, item, self.retry_after_ms)
 
     def cancel(self, handle: int) -> None:
         """The client went away: drop it from the queue, or abort it in the engine next step."""
@@ -221,7 +212,9 @@ class EngineWorker:
         try:
             while True:
                 self._apply_aborts()
-                self._preempt_for_top_priority()
+                # Priority preemption: requeued victims come off the books here.
+                for h in self._preemption.preempt(self._running, self.concurrency_limit):
+                    self._leave_engine(h).preemptions += 1
                 self._admit()
                 self._publish_view()
                 if self._running:
@@ -257,7 +250,7 @@ class EngineWorker:
 
     def _admit(self) -> None:
         if self._suspended:
-            self._resume_suspended()
+            self._preemption.resume(self._running, self._admission_room())
         free = self._admission_room()
         timeout = 0.0 if self._running else _IDLE_WAIT_S
         room = self.kv.room
@@ -283,31 +276,6 @@ class EngineWorker:
             if (item := self._items.get(h)) is not None and (err := self._enter(item, now)):
                 out.append(self._end(h, err))
         self._deliver(out)
-
-    def _resume_suspended(self) -> None:
-        """Suspended requests take free slots before queued requests of their level or below
-        (where a requeued one would stand: at the front of its level), and before a queued
-        request of a higher level only when nothing runs."""
-        free = self._admission_room()
-        if free <= 0:
-            return
-        depth = [sum(buckets) for buckets in self.queue.stats().depth]
-        back: list[WorkItem] = []
-        for item in sorted(self._suspended.values(), key=lambda it: -it.priority):
-            # With nothing running they go back before queued higher-level calls too: those may
-            # lack the KV room the suspended ones hold, and must not wait on them forever.
-            ahead = sum(depth[item.priority + 1 :]) if self._running else 0
-            if len(back) + ahead >= free:
-                break
-            back.append(item)
-        if not back:
-            return
-        self._engine.resume([it.handle for it in back])
-        now = time.monotonic_ns()
-        for item in back:
-            self._running[item.handle] = self._suspended.pop(item.handle)
-            if item.last_token_ns:  # the time suspended is no step's inter-token gap
-                item.last_token_ns = now
 
     def _end(self, handle: int, err: RequestError) -> tuple[Mailbox, Delta]:
         """A request outside the engine ends with err."""
@@ -353,16 +321,9 @@ class EngineWorker:
         started = time.monotonic_ns()
         outputs = self._engine.step()
         self.stats.steps += 1
-        stray = [o.handle for o in outputs if o.handle in self._suspended]
-        if stray:
-            # The scheduler keeps suspended requests out of every step; should one get tokens
-            # anyway, it runs again (resumed in the scheduler too) and its tokens reach its
-            # caller.
-            log.error("suspended requests %s were stepped; resumed", stray)
-            self.stats.suspended_stepped += len(stray)
-            self._engine.resume(stray)
-            for h in stray:
-                self._running[h] = self._suspended.pop(h)
+        if self._suspended:
+            ids = [o.handle for o in outputs]
+            self.stats.suspended_stepped += self._preemption.take_back_stepped(ids, self._running)
         now = time.monotonic_ns()
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(self._running))
         out, finished = self._outputs.collect(outputs, started, now, self._controller)
@@ -376,7 +337,8 @@ class EngineWorker:
 
     def _publish_view(self) -> None:
         running, top = self._running.values(), self._top_priority
-        self._view = EngineView.of(running, top, self.concurrency_limit, suspends=self._can_suspend)
+        suspends = self._preemption.can_suspend
+        self._view = EngineView.of(running, top, self.concurrency_limit, suspends=suspends)
 
     @property
     def step_token_budget(self) -> int:
@@ -414,46 +376,6 @@ class EngineWorker:
             item = self._running.pop(handle)
         self.kv.release(handle)
         return item
-
-    def _preempt_for_top_priority(self) -> None:
-        """Stop the lowest-priority running requests for waiting top-priority ones
-        (pyserver.engine.admission). Where the engine core runs in this process and a slot is
-        what they lack (not KV room), the victims are suspended in the engine: their KV blocks
-        and sampling state stay, so nothing is computed again and any call may be stopped.
-        Otherwise they are aborted and requeued, and re-prefill their prompt and output."""
-        if self._preempt_after_ns is None or not self._running:
-            return
-        now = time.monotonic_ns()
-        # A suspended request keeps its KV reservation: suspend only while the room left holds
-        # the longest request for each waiting top-priority one, else free the room.
-        waiting_top = sum(self.queue.stats().depth[self._top_priority])
-        suspend = self._can_suspend and self.kv.room >= waiting_top * self.max_model_len
-        victims = top_priority_victims(
-            self.queue,
-            self._running,
-            top=self._top_priority,
-            free=max(0, self.concurrency_limit - len(self._running)),
-            kv_room=self.kv.room,
-            after_ns=self._preempt_after_ns,
-            slack=lambda it: deadline_slack(it, now, self.deadlines.remaining_service_s(it)),
-            keeps_state=suspend,
-        )
-        if not victims:
-            return
-        if suspend:
-            self._engine.suspend([it.handle for it in victims])
-            for item in victims:
-                self._suspended[item.handle] = self._running.pop(item.handle)
-                item.preemptions += 1
-            self._metrics.preemptions.labels("suspended").inc(len(victims))
-            return
-        stopped = [it.handle for it in victims if requeue(self.queue, it)]
-        if not stopped:
-            return
-        self._engine.abort(stopped)
-        for h in stopped:
-            self._leave_engine(h).preemptions += 1
-        self._metrics.preemptions.labels("priority").inc(len(stopped))
 
     def _fail_all(self, message: str) -> None:
         err = RequestError(ErrorKind.UNAVAILABLE, message)
